@@ -1,0 +1,34 @@
+"""qax: arrays represented one way that behave like another, for any JAX code."""
+
+from . import constants as constants
+from . import _higher_order as _higher_order  # noqa: F401 (registers structural rules)
+from ._base import ImplicitBase as ImplicitBase
+from ._dispatch import ArrayValue as ArrayValue
+from ._dispatch import default_handler as default_handler
+from ._dispatch import primitive_handler as primitive_handler
+from ._errors import HandlerError as HandlerError
+from ._errors import MaterializationWarning as MaterializationWarning
+from ._errors import UninitializedAval as UninitializedAval
+from ._implicit_array import ImplicitArray as ImplicitArray
+from ._implicit_array import aux_field as aux_field
+from ._interpreter import materialize_nested as materialize_nested
+from ._interpreter import use_implicit_args as use_implicit_args
+from ._tree_util import EmptyNode as EmptyNode
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ArrayValue",
+    "EmptyNode",
+    "HandlerError",
+    "ImplicitArray",
+    "ImplicitBase",
+    "MaterializationWarning",
+    "UninitializedAval",
+    "aux_field",
+    "constants",
+    "default_handler",
+    "materialize_nested",
+    "primitive_handler",
+    "use_implicit_args",
+]

@@ -1,0 +1,60 @@
+"""The small protocol that the interpreter relies on.
+
+`ImplicitBase` is what the interpreter recognises as "an implicit array": something with an
+`aval`, a `materialize()` method, two class flags and an optional per-type default rule.
+The dataclass machinery users see lives in `qax._implicit_array`.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextvars
+from typing import Any, ClassVar
+
+from ._compat import Primitive, ShapedArray
+
+
+class ImplicitBase(abc.ABC):
+    """Base of every implicit array; see `qax.ImplicitArray`."""
+
+    commute_ops: ClassVar[bool] = True
+    warn_on_materialize: ClassVar[bool] = True
+
+    shape: tuple[int, ...]
+    dtype: Any
+
+    @abc.abstractmethod
+    def materialize(self) -> Any:
+        """Return the dense array (or a less implicit array) this value represents."""
+
+    @property
+    def aval(self) -> ShapedArray:
+        raise NotImplementedError  # provided by qax.ImplicitArray
+
+    @classmethod
+    def default_handler(cls, primitive: Primitive, *args: Any, params: dict) -> Any:
+        """The rule for primitives that no handler covers, for this type.
+
+        Return `NotImplemented` (what this base version does) to get the standard
+        behaviour: the implicit operands are materialized, with a warning, and the
+        primitive runs on dense arrays. Override it to, for example, wrap every result back
+        into this type.
+        """
+        return NotImplemented
+
+
+def is_implicit(x: Any) -> bool:
+    return isinstance(x, ImplicitBase)
+
+
+# Set while qax itself runs `materialize()` for bookkeeping (shape inference), so that
+# those materializations are neither warned about nor recorded.
+quiet_materialization: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "qax_quiet_materialization", default=False
+)
+
+# False while `use_implicit_args` runs: implicit arrays built by handlers then skip the
+# (costly) check of their declared shape/dtype against `materialize()`.
+check_declared_avals: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "qax_check_declared_avals", default=True
+)

@@ -1,0 +1,80 @@
+"""The one place that touches JAX internals.
+
+Everything qax needs from `jax._src` or `jax.extend` is imported here, so that a JAX
+upgrade is a change to this file alone. Written against JAX 0.10.x.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.extend.core as jex_core
+from jax._src import core as _core
+from jax._src import linear_util as _lu
+from jax._src import source_info_util as _source_info
+from jax._src.interpreters import partial_eval as _pe
+
+Trace = _core.Trace
+Tracer = _core.Tracer
+ShapedArray = _core.ShapedArray
+TraceTag = jex_core.TraceTag
+Primitive = jex_core.Primitive
+ClosedJaxpr = jex_core.ClosedJaxpr
+Jaxpr = jex_core.Jaxpr
+DebugInfo = jex_core.DebugInfo
+take_current_trace = jex_core.take_current_trace
+set_current_trace = jex_core.set_current_trace
+jaxpr_as_fun = jex_core.jaxpr_as_fun
+eval_jaxpr = _core.eval_jaxpr
+ensure_no_leaks = _core.ensure_no_leaks
+EvalTrace = _core.EvalTrace
+typeof = jax.typeof
+primitives_module = jex_core.primitives
+
+trace_to_jaxpr_dynamic = _pe.trace_to_jaxpr_dynamic
+convert_constvars_jaxpr = _pe.convert_constvars_jaxpr
+wrap_init = _lu.wrap_init
+
+
+def current_trace() -> Trace:
+    """The trace that a `bind` right now would go to."""
+    return _core.trace_ctx.trace
+
+
+def is_eval_trace(trace: Trace) -> bool:
+    return isinstance(trace, EvalTrace)
+
+
+def bind_with_trace(trace: Trace, primitive: Primitive, args, params):
+    """Bind `primitive` on `trace` with already canonical `args`."""
+    return primitive.bind_with_trace(trace, args, tuple(map(typeof, args)), params)
+
+
+
+
+
+def user_source_line() -> str | None:
+    """`file:line (function)` of the innermost frame outside JAX and qax, if any."""
+    info = _source_info.current()
+    if info.traceback is None:
+        return None
+    frame = _source_info.user_frame(info.traceback)
+    if frame is None:
+        return None
+    return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+
+
+def register_exclusion(path: str) -> None:
+    """Hide qax's own frames from JAX's "user frame" search and tracebacks."""
+    _source_info.register_exclusion(path)
+
+
+def make_debug_info(name: str) -> DebugInfo:
+    return DebugInfo("qax", name, None, None)
+
+from jax._src.sharding_impls import UNSPECIFIED  # noqa: E402
+
+shard_map_p = None
+try:  # noqa: SIM105
+    from jax._src.shard_map import shard_map_p  # noqa: E402,F811
+except ImportError:  # pragma: no cover
+    pass

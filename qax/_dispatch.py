@@ -1,0 +1,228 @@
+"""The handler registry: one plum `Function` per primitive, and the dispatch cache.
+
+`primitive_handler` registers user functions; the interpreter asks `lookup(primitive,
+types)` which handler applies to a combination of operand types. The answer is cached per
+(primitive, types) until the next registration: we cache *which* handler applies, never
+what it returned.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any, Union
+
+import jax
+import plum
+
+from . import _errors
+from ._base import ImplicitBase
+from ._compat import Primitive, primitives_module
+
+ArrayValue = Union[jax.Array, ImplicitBase]  # noqa: UP007 (plum needs a typing.Union)
+"""Annotation for "a JAX array or an implicit array" in handler signatures."""
+
+# Names that are not `jax.lax.<name>_p` but that users (and the original Qax) use.
+_ALIASES = {"pjit": "jit", "remat": "remat2", "checkpoint": "remat2"}
+
+_functions: dict[Primitive, plum.Function] = {}
+_cache: dict[tuple, Callable | None] = {}
+# Bumped by every registration: caches of re-traced bodies include it in their keys.
+generation = [0]
+
+
+def _all_primitive_names() -> list[str]:
+    names = {n[:-2] for n in dir(jax.lax) if n.endswith("_p")}
+    names |= {n[:-2] for n in dir(primitives_module) if n.endswith("_p")}
+    return sorted(names | set(_ALIASES))
+
+
+def resolve_primitive(primitive: str | Primitive) -> Primitive:
+    """The `Primitive` object for a name (``"add"`` -> `jax.lax.add_p`) or a primitive."""
+    if isinstance(primitive, Primitive):
+        return primitive
+    if not isinstance(primitive, str):
+        raise TypeError(
+            "A primitive must be given as a name (e.g. 'dot_general') or a "
+            f"`jax.extend.core.Primitive`, got {type(primitive).__name__}: {primitive!r}."
+        )
+    name = _ALIASES.get(primitive, primitive)
+    for namespace in (jax.lax, primitives_module):
+        found = getattr(namespace, f"{name}_p", None)
+        if isinstance(found, Primitive):
+            return found
+    close = difflib.get_close_matches(primitive, _all_primitive_names(), n=3)
+    suggestion = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    raise ValueError(_errors.UNKNOWN_PRIMITIVE.format(name=primitive, suggestion=suggestion))
+
+
+def _function_for(primitive: Primitive) -> plum.Function:
+    function = _functions.get(primitive)
+    if function is None:
+
+        def handler() -> None: ...
+
+        handler.__name__ = handler.__qualname__ = f"{primitive.name}_handler"
+        function = _functions[primitive] = plum.Function(handler)
+    return function
+
+
+def primitive_handler(
+    primitives: str | Primitive | Iterable[str | Primitive], precedence: int = 0
+) -> Callable[[Callable], Callable]:
+    """Register a handler for one or more primitives.
+
+    The handler is called as ``handler(primitive, *operands, **params)`` whenever the
+    annotated types of the operands match (multiple dispatch over *all* positional
+    arguments, via plum). Operands that are not implicit arrays dispatch as `jax.Array`.
+    Return `NotImplemented` to fall back to the default rule.
+
+    >>> @qax.primitive_handler("mul")
+    ... def mul(primitive, a: Zeros, b: jax.Array):
+    ...     return Zeros(shape=jnp.broadcast_shapes(a.shape, b.shape), dtype=a.dtype)
+
+    Args:
+      primitives: a primitive name (looked up as ``jax.lax.<name>_p``), a `Primitive`, or
+        a list of either.
+      precedence: breaks ties between equally specific handlers (higher wins).
+
+    Returns:
+      A decorator that registers the function and returns it unchanged.
+
+    Raises:
+      ValueError: for an unknown primitive name (close names are suggested).
+    """
+    if isinstance(primitives, (str, Primitive)):
+        primitives = [primitives]
+    resolved = [resolve_primitive(p) for p in primitives]
+
+    def decorator(fn: Callable) -> Callable:
+        for primitive in resolved:
+            _function_for(primitive).register(fn, precedence=precedence)
+        _cache.clear()
+        generation[0] += 1
+        return fn
+
+    return decorator
+
+
+_accepted: dict[Callable, frozenset[str] | None] = {}
+
+
+def params_for(handler: Callable, primitive: Primitive, params: dict) -> dict:
+    """The primitive's params that `handler` accepts as keywords.
+
+    Handlers written without ``**params`` (as in the original Qax docs) still work when
+    JAX adds a parameter to a primitive, as long as the new parameter is unset (None).
+    """
+    try:
+        accepted = _accepted[handler]
+    except KeyError:
+        accepted = _accepted[handler] = _keyword_names(handler)
+    if accepted is None:
+        return params
+    kept = {}
+    for name, value in params.items():
+        if name in accepted:
+            kept[name] = value
+        elif value is not None:
+            raise _errors.HandlerError(
+                f"Handler {describe_handler(handler)} for primitive `{primitive.name}` "
+                f"does not accept the parameter `{name}={value!r}`. Add `**params` to "
+                "its signature to receive every parameter."
+            )
+    return kept
+
+
+def _keyword_names(fn: Callable) -> frozenset[str] | None:
+    """Names `fn` accepts as keywords, or None if it takes ``**kwargs``."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return frozenset(
+        p.name
+        for p in parameters
+        if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    )
+
+
+def dispatch_type(x: Any) -> type:
+    return type(x) if isinstance(x, ImplicitBase) else jax.Array
+
+
+def lookup(primitive: Primitive, types: tuple[type, ...]) -> Callable | None:
+    """The handler for `primitive` on operands of `types` (already `dispatch_type`d)."""
+    key = (primitive, types)
+    try:
+        return _cache[key]
+    except KeyError:
+        pass
+    function = _functions.get(primitive)
+    handler = None
+    if function is not None:
+        signature = plum.Signature(type(primitive), *types)
+        try:
+            handler, _ = function.resolve_method(signature)
+        except plum.NotFoundLookupError:
+            handler = None
+        except plum.AmbiguousLookupError:
+            raise _ambiguity_error(primitive, function, signature, types) from None
+    _cache[key] = handler
+    return handler
+
+
+def candidates(primitive: Primitive, types: tuple[type, ...]) -> list[Any]:
+    """Every registered plum method that accepts operands of `types`."""
+    function = _functions.get(primitive)
+    if function is None:
+        return []
+    signature = plum.Signature(type(primitive), *types)
+    function._resolve_pending_registrations()
+    return [m for m in function.methods if signature <= m.signature]
+
+
+def describe_handler(fn: Callable) -> str:
+    try:
+        file = inspect.getsourcefile(fn)
+        line = inspect.getsourcelines(fn)[1]
+        where = f" ({file}:{line})"
+    except (OSError, TypeError):
+        where = ""
+    return f"{getattr(fn, '__qualname__', repr(fn))}{where}"
+
+
+def _ambiguity_error(primitive, function, signature, types) -> _errors.HandlerError:
+    found = candidates(primitive, types)
+    lines = "\n".join(
+        f"  - {describe_handler(m.implementation)} with signature {m.signature}"
+        for m in found
+    )
+    type_names = ", ".join(t.__name__ for t in types)
+    return _errors.HandlerError(
+        _errors.AMBIGUOUS_HANDLER.format(
+            primitive=primitive.name, types=type_names, candidates=lines
+        )
+    )
+
+
+def default_handler(primitive: Primitive | str, *args: Any, **params: Any) -> Any:
+    """Bind `primitive` on `args` the ordinary way (no handler lookup for this call).
+
+    Use it inside a handler to run the primitive on plain arrays, e.g. the `x @ w` part of
+    a LoRA matmul. Implicit operands are *not* allowed here: materialize them first or call
+    `jnp` functions, which are routed through handlers again.
+    """
+    primitive = resolve_primitive(primitive)
+    for arg in args:
+        if isinstance(arg, ImplicitBase):
+            raise TypeError(
+                f"`qax.default_handler({primitive.name}, ...)` got an implicit "
+                f"{type(arg).__name__}; it binds the primitive on plain arrays only. "
+                "Call `jnp`/`lax` functions on it instead (they dispatch to handlers) or "
+                "pass `x.materialize()`."
+            )
+    return primitive.bind(*args, **primitive.get_bind_params(params))

@@ -1,0 +1,58 @@
+"""Exceptions, warnings and the long texts of their messages."""
+
+from __future__ import annotations
+
+
+class MaterializationWarning(UserWarning):
+    """An implicit array was turned into a dense array because no handler applied.
+
+    Filter it by category, e.g. ``warnings.simplefilter("error", qax.MaterializationWarning)``
+    to make any densification a failing test.
+    """
+
+
+class UninitializedAval(Exception):
+    """The shape or dtype of an implicit array could not be determined."""
+
+    def __init__(self, kind: str, cls_name: str = "ImplicitArray", cause: str = ""):
+        self.kind = kind
+        message = UNINITIALIZED_AVAL.format(kind=kind, cls=cls_name)
+        if cause:
+            message += f"\n(Inferring it from `materialize()` failed with: {cause})"
+        super().__init__(message)
+
+
+class HandlerError(TypeError):
+    """A primitive handler was ambiguous or returned something of the wrong type."""
+
+
+MATERIALIZE_WARNING = (
+    "Primitive {primitive} was not handled by class {cls}, so implicit args will be "
+    "materialized."
+)
+
+UNINITIALIZED_AVAL = """\
+Could not determine the {kind} of this {cls}. Provide it in one of these ways:
+  - pass it when constructing: {cls}(..., {kind}=...)
+  - override `compute_{kind}(self)` to derive it from the other fields
+  - set the class attribute `default_{kind} = ...`
+  - make `materialize()` work on the fields alone, so that it can be inferred with
+    `jax.eval_shape`"""
+
+AMBIGUOUS_HANDLER = """\
+Handlers for primitive `{primitive}` are ambiguous for operand types ({types}):
+{candidates}
+Fix it by giving one of them `precedence=` (e.g. `@qax.primitive_handler("{primitive}", \
+precedence=1)`), by registering a handler for exactly this combination, or by applying \
+`qax.use_implicit_args` in two nested steps so that one type is handled first. \
+`qax.explain` shows how each candidate was ranked."""
+
+BAD_HANDLER_RESULT = """\
+Handler `{handler}` for primitive `{primitive}` returned {got}, but `{primitive}` on these \
+operands produces {expected}. A handler must return arrays (or implicit arrays) of exactly \
+the shape and dtype of the primitive's result."""
+
+UNKNOWN_PRIMITIVE = """\
+Unknown primitive name {name!r}: there is no `jax.lax.{name}_p` (nor \
+`jax.extend.core.primitives.{name}_p`).{suggestion} Pass a name from `qax.constants` or the \
+`jax.extend.core.Primitive` object itself."""

@@ -1,0 +1,354 @@
+"""`ImplicitArray`: the dataclass users subclass, with its pytree and shape machinery."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import operator
+import warnings
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import jax
+import numpy as np
+
+from ._base import ImplicitBase, check_declared_avals, quiet_materialization
+from ._compat import ShapedArray, current_trace, is_eval_trace
+from ._errors import UninitializedAval
+from ._interpreter import _implicit_children, enter_current_trace, use_implicit_args
+
+_AUX = "qax_aux"
+# Name of the hidden pytree child that carries shape and dtype (see `_witness`).
+WITNESS = "_qax_aval"
+_MISSING = object()
+
+
+
+def aux_field(metadata: dict | None = None, **kwargs: Any) -> Any:
+    """A dataclass field that is static metadata (pytree aux data), not a child.
+
+    Values must be hashable; they become part of the treedef, so `jax.jit` treats them
+    as static and `jax.grad`/`jax.vmap` leave them alone.
+
+    >>> @dataclass
+    ... class Scaled(qax.ImplicitArray):
+    ...     x: qax.ArrayValue
+    ...     scale: float = qax.aux_field(default=2.0)
+    """
+    metadata = dict(metadata) if metadata else {}
+    metadata[_AUX] = True
+    return dataclasses.field(metadata=metadata, **kwargs)
+
+
+def _witness(shape: tuple[int, ...], dtype: Any) -> Any:
+    """A zero-size array of shape ``(*shape, 0)`` and the represented dtype.
+
+    It rides along as a pytree child, so transformations that reshape leaves (`vmap`
+    and `scan` slicing, `tree_map(lambda x: x[0], ...)`, casting) update the implicit
+    array's shape and dtype too, even for types whose shape lives only in metadata.
+    It costs no memory.
+    """
+    try:
+        return np.empty((*shape, 0), dtype)
+    except TypeError:  # extended dtypes (PRNG keys, ...): shape stays in aux only
+        return None
+
+
+def _field_split(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    cached = cls.__dict__.get("_qax_fields")
+    if cached is None:
+        children, aux = [], []
+        for f in dataclasses.fields(cls):
+            if f.name in ("shape", "dtype"):
+                continue
+            (aux if f.metadata.get(_AUX) else children).append(f.name)
+        cached = (tuple(children), tuple(aux))
+        type.__setattr__(cls, "_qax_fields", cached)
+    return cached
+
+
+def _flatten_with_keys(x: ImplicitArray):
+    children, aux = _field_split(type(x))
+    d = x.__dict__
+    keyed = [(jax.tree_util.GetAttrKey(n), d[n]) for n in children]
+    keyed.append((jax.tree_util.GetAttrKey(WITNESS), d.get(WITNESS)))
+    return keyed, (tuple(d[n] for n in aux), x.shape, x.dtype)
+
+
+def _flatten(x: ImplicitArray):
+    children, aux = _field_split(type(x))
+    d = x.__dict__
+    return (
+        [*(d[n] for n in children), d.get(WITNESS)],
+        (tuple(d[n] for n in aux), x.shape, x.dtype),
+    )
+
+
+def _make_unflatten(cls: type) -> Callable:
+    def unflatten(aux_data, children):
+        names, aux_names = _field_split(cls)
+        obj = object.__new__(cls)
+        d = obj.__dict__
+        for name, child in zip(names, children):
+            d[name] = child
+        witness = children[-1]
+        d[WITNESS] = witness
+        aux_values, shape, dtype = aux_data
+        for name, value in zip(aux_names, aux_values):
+            d[name] = value
+        w_shape = getattr(witness, "shape", None)
+        w_dtype = getattr(witness, "dtype", None)
+        if w_shape is not None and w_dtype is not None and len(w_shape) >= 1:
+            shape, dtype = tuple(w_shape[:-1]), w_dtype
+        d["shape"], d["dtype"] = shape, dtype
+        return obj
+
+    return unflatten
+
+
+def _implicit_method(fn: Callable) -> Callable:
+    """An array method that runs `fn` through the interpreter."""
+
+    def method(*args):
+        wrapped = enter_current_trace(args)
+        if wrapped is not None:
+            return fn(*wrapped)
+        return use_implicit_args(fn)(*args)
+
+    method.__name__ = getattr(fn, "__name__", "method")
+    return method
+
+
+def _reflected(fn: Callable) -> Callable:
+    return lambda a, b: fn(b, a)
+
+
+_OWN_DUNDERS = ("__eq__", "__ne__", "__hash__", "__repr__")
+
+
+@dataclasses.dataclass(eq=False, repr=False)
+class ImplicitArray(ImplicitBase):
+    """An array represented implicitly: subclass it, add fields, write `materialize()`.
+
+    Subclasses are dataclasses (with or without an explicit ``@dataclass``) and pytrees
+    with keys: fields are children, `aux_field` fields are static metadata. Every instance
+    has keyword-only `shape` and `dtype`, resolved in this order: the keyword arguments;
+    `compute_shape()` / `compute_dtype()`; the class attributes `default_shape` /
+    `default_dtype`; `jax.eval_shape` of `materialize()`.
+
+    Class keywords: ``commute_ops=False`` (do not swap operands of commutative binary
+    primitives to put this type first), ``warn_on_materialize=False`` (materialize
+    silently when no handler applies).
+
+    >>> class Zeros(qax.ImplicitArray):
+    ...     default_dtype = jnp.float32
+    ...     def materialize(self):
+    ...         return jnp.zeros(self.shape, self.dtype)
+    >>> Zeros(shape=(2, 3))
+    Zeros(shape=(2, 3), dtype=float32)
+    """
+
+    shape: Any = aux_field(kw_only=True, default=None)
+    dtype: Any = aux_field(kw_only=True, default=None)
+
+    default_shape: ClassVar[Any] = None
+    default_dtype: ClassVar[Any] = None
+
+    def __init_subclass__(
+        cls,
+        commute_ops: bool | None = None,
+        warn_on_materialize: bool | None = None,
+        **kwargs: Any,
+    ):
+        super().__init_subclass__(**kwargs)
+        if commute_ops is not None:
+            cls.commute_ops = bool(commute_ops)
+        if warn_on_materialize is not None:
+            cls.warn_on_materialize = bool(warn_on_materialize)
+        # Array semantics for ==, != and hashing, and our repr, must survive a later
+        # user-applied @dataclass, which only fills in methods the class lacks.
+        for name in _OWN_DUNDERS:
+            if name not in cls.__dict__:
+                setattr(cls, name, getattr(ImplicitArray, name))
+        own = set(cls.__dict__.get("__annotations__", {}))
+        dataclasses.dataclass(cls, eq=False, repr=False)
+        # dataclass() replaced field objects by their defaults; put them back so that
+        # applying @dataclass again keeps `aux_field` metadata.
+        for f in dataclasses.fields(cls):
+            if f.name in own:
+                type.__setattr__(cls, f.name, f)
+        jax.tree_util.register_pytree_with_keys(
+            cls, _flatten_with_keys, _make_unflatten(cls), _flatten
+        )
+
+    @classmethod
+    def _qax_child_names(cls) -> tuple[str, ...]:
+        return _field_split(cls)[0]
+
+    # -- shape and dtype -----------------------------------------------------------------
+
+    def __post_init__(self) -> None:
+        shape = self.shape if self.shape is not None else self.compute_shape()
+        dtype = self.dtype if self.dtype is not None else self.compute_dtype()
+        self.shape = None if shape is None else tuple(int(d) for d in shape)
+        self.dtype = None if dtype is None else _canonical_dtype(dtype)
+        missing = "shape" if shape is None else "dtype" if dtype is None else None
+        if missing or (check_declared_avals.get() and is_eval_trace(current_trace())):
+            self._resolve_from_materialize(missing)
+        self.__dict__[WITNESS] = _witness(self.shape, self.dtype)
+
+    def _resolve_from_materialize(self, missing: str | None) -> None:
+        try:
+            out = _eval_shape_of_materialize(self)
+        except Exception as e:  # noqa: BLE001 (any failure means "cannot infer")
+            if missing:
+                raise UninitializedAval(
+                    missing, type(self).__name__, f"{type(e).__name__}: {e}"
+                ) from None
+            return
+        shape, dtype = tuple(out.shape), _canonical_dtype(out.dtype)
+        name = type(self).__name__
+        for kind, declared, found in (("shape", self.shape, shape), ("dtype", self.dtype, dtype)):
+            if declared is None:
+                setattr(self, kind, found)
+            elif declared != found:
+                warnings.warn(
+                    f"{name} declares {kind} {declared}, but its materialize() produces "
+                    f"{kind} {found}.",
+                    stacklevel=4,
+                )
+
+    def compute_shape(self) -> Any:
+        """Override to derive the shape from the other fields."""
+        return self.default_shape
+
+    def compute_dtype(self) -> Any:
+        """Override to derive the dtype from the other fields."""
+        return self.default_dtype
+
+    @property
+    def aval(self) -> ShapedArray:
+        """The abstract value (`jax.core.ShapedArray`) JAX sees for this array."""
+        return ShapedArray(self.shape, self.dtype)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of unsized object")
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        names, aux = _field_split(type(self))
+        parts = [f"{n}={_short(getattr(self, n))}" for n in names]
+        parts += [f"{n}={getattr(self, n)!r}" for n in aux]
+        parts.append(f"shape={self.shape}")
+        parts.append(f"dtype={None if self.dtype is None else np.dtype(self.dtype).name}")
+        return f"{type(self).__name__}({', '.join(parts)})"
+
+    __hash__ = object.__hash__
+
+    # -- array behaviour: every operation goes through the interpreter -------------------
+
+    __eq__ = _implicit_method(operator.eq)
+    __ne__ = _implicit_method(operator.ne)
+
+
+def _short(x: Any) -> str:
+    if isinstance(x, ImplicitBase):
+        return repr(x)
+    try:
+        return jax.typeof(x).str_short()
+    except TypeError:
+        return repr(x)
+
+
+def _canonical_dtype(dtype: Any) -> np.dtype:
+    return jax.dtypes.canonicalize_dtype(dtype)
+
+
+def _eval_shape_of_materialize(obj: ImplicitArray) -> Any:
+    """`jax.eval_shape` of `obj.materialize()`, quietly; `obj` may be half-built."""
+    children = _implicit_children(obj)
+
+    def run() -> Any:
+        if not children:
+            return type(obj).materialize(obj)
+        names = [n for n, _ in children]
+
+        def inner(*values):
+            clone = copy.copy(obj)
+            for n, v in zip(names, values):
+                object.__setattr__(clone, n, v)
+            return type(obj).materialize(clone)
+
+        return use_implicit_args(inner)(*[c for _, c in children])
+
+    token = quiet_materialization.set(True)
+    try:
+        return jax.eval_shape(run)
+    finally:
+        quiet_materialization.reset(token)
+
+
+_BINARY = {
+    "add": operator.add,
+    "sub": operator.sub,
+    "mul": operator.mul,
+    "truediv": operator.truediv,
+    "floordiv": operator.floordiv,
+    "mod": operator.mod,
+    "pow": operator.pow,
+    "matmul": operator.matmul,
+    "and": operator.and_,
+    "or": operator.or_,
+    "xor": operator.xor,
+    "lshift": operator.lshift,
+    "rshift": operator.rshift,
+}
+for _name, _fn in _BINARY.items():
+    setattr(ImplicitArray, f"__{_name}__", _implicit_method(_fn))
+    setattr(ImplicitArray, f"__r{_name}__", _implicit_method(_reflected(_fn)))
+for _name, _fn in {
+    "lt": operator.lt,
+    "le": operator.le,
+    "gt": operator.gt,
+    "ge": operator.ge,
+    "neg": operator.neg,
+    "pos": operator.pos,
+    "abs": operator.abs,
+    "invert": operator.invert,
+    "getitem": operator.getitem,
+}.items():
+    setattr(ImplicitArray, f"__{_name}__", _implicit_method(_fn))
+
+
+def _method(name: str) -> Callable:
+    def call(self, *args, **kwargs):
+        return _implicit_method(lambda x: getattr(x, name)(*args, **kwargs))(self)
+
+    call.__name__ = name
+    return call
+
+
+for _name in (
+    "astype",
+    "reshape",
+    "transpose",
+    "squeeze",
+    "sum",
+    "mean",
+    "max",
+    "min",
+    "prod",
+    "ravel",
+    "flatten",
+):
+    setattr(ImplicitArray, _name, _method(_name))
+ImplicitArray.T = property(_implicit_method(lambda x: x.T))

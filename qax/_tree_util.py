@@ -1,0 +1,107 @@
+"""Pytree helpers that treat implicit arrays as leaves."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from ._base import ImplicitBase, is_implicit
+
+
+class EmptyNode:
+    """A pytree node with no leaves: a placeholder that every tree function skips."""
+
+    def __repr__(self) -> str:
+        return "EmptyNode()"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, EmptyNode)
+
+    def __hash__(self) -> int:
+        return hash(EmptyNode)
+
+
+jax.tree_util.register_pytree_node(
+    EmptyNode, lambda _: ((), None), lambda _aux, _children: EmptyNode()
+)
+
+
+def _combine_leaf(is_leaf: Callable[[Any], bool] | None) -> Callable[[Any], bool]:
+    if is_leaf is None:
+        return is_implicit
+    return lambda x: is_implicit(x) or is_leaf(x)
+
+
+def tree_flatten_with_implicit(tree: Any, is_leaf: Callable[[Any], bool] | None = None):
+    """`jax.tree_util.tree_flatten`, keeping implicit arrays whole as leaves."""
+    return jax.tree_util.tree_flatten(tree, is_leaf=_combine_leaf(is_leaf))
+
+
+def tree_flatten_with_path_with_implicit(tree: Any, is_leaf=None):
+    return jax.tree_util.tree_flatten_with_path(tree, is_leaf=_combine_leaf(is_leaf))
+
+
+def tree_leaves_with_implicit(tree: Any, is_leaf=None) -> list[Any]:
+    return jax.tree_util.tree_leaves(tree, is_leaf=_combine_leaf(is_leaf))
+
+
+def tree_structure_with_implicit(tree: Any, is_leaf=None):
+    return jax.tree_util.tree_structure(tree, is_leaf=_combine_leaf(is_leaf))
+
+
+def tree_map_with_implicit(f: Callable, tree: Any, *rest: Any, is_leaf=None) -> Any:
+    return jax.tree_util.tree_map(f, tree, *rest, is_leaf=_combine_leaf(is_leaf))
+
+
+def tree_map_with_path_with_implicit(f: Callable, tree: Any, *rest: Any, is_leaf=None):
+    return jax.tree_util.tree_map_with_path(
+        f, tree, *rest, is_leaf=_combine_leaf(is_leaf)
+    )
+
+
+def tree_unflatten(treedef, leaves):
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def implicit_depth(tree: Any) -> int:
+    """How many layers of implicit arrays are nested in `tree` (0: none at all).
+
+    >>> implicit_depth(jnp.ones(3))
+    0
+    """
+    best = 0
+    for leaf in tree_leaves_with_implicit(tree):
+        if is_implicit(leaf):
+            best = max(best, 1 + implicit_depth(_children(leaf)))
+    return best
+
+
+def _children(x: ImplicitBase) -> list[Any]:
+    children, _ = jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x and is_implicit(y))
+    return children
+
+
+def flatten_one_implicit_layer(tree: Any) -> tuple[list[Any], Any]:
+    """Flatten `tree`, opening the outermost implicit arrays but not the ones inside them.
+
+    Returns the leaves (plain arrays or implicit arrays one layer down) and a treedef.
+    """
+
+    def is_leaf(x: Any) -> bool:
+        return is_implicit(x) and x not in top
+
+    top_leaves = tree_leaves_with_implicit(tree)
+    top = _IdentitySet(x for x in top_leaves if is_implicit(x))
+    return jax.tree_util.tree_flatten(tree, is_leaf=is_leaf)
+
+
+class _IdentitySet:
+    """A set of objects compared by identity (implicit arrays define `==` elementwise)."""
+
+    def __init__(self, items):
+        self._ids = {id(x) for x in items}
+
+    def __contains__(self, x: Any) -> bool:
+        return id(x) in self._ids
