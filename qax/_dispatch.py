@@ -93,7 +93,7 @@ def primitive_handler(
     Raises:
       ValueError: for an unknown primitive name (close names are suggested).
     """
-    if isinstance(primitives, (str, Primitive)):
+    if isinstance(primitives, (str, Primitive)) or not isinstance(primitives, Iterable):
         primitives = [primitives]
     resolved = [resolve_primitive(p) for p in primitives]
 
