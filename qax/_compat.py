@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.extend.core as jex_core
 from jax._src import core as _core
+from jax._src import dtypes as _dtypes
 from jax._src import linear_util as _lu
 from jax._src import source_info_util as _source_info
 from jax._src.interpreters import partial_eval as _pe
@@ -33,6 +34,13 @@ primitives_module = jex_core.primitives
 trace_to_jaxpr_dynamic = _pe.trace_to_jaxpr_dynamic
 convert_constvars_jaxpr = _pe.convert_constvars_jaxpr
 wrap_init = _lu.wrap_init
+
+
+def canonicalize_value(x):
+    """`x` as a value a trace accepts (NumPy arrays and Python scalars canonicalized)."""
+    if isinstance(x, Tracer):
+        return x
+    return _dtypes.canonicalize_value(x)
 
 
 def current_trace() -> Trace:
