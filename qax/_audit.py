@@ -360,15 +360,19 @@ def _format_bytes(n: int) -> str:
     return f"{n} bytes"
 
 
+def short_path(path: str) -> str:
+    """`path` relative to the working directory if it lies inside it."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive on Windows
+        return path
+    return path if rel.startswith("..") else rel
+
+
 def _short_source(source: str | None) -> str:
-    """`source` with its path relative to the working directory, when inside it."""
     if source is None:
         return "?"
     match = re.fullmatch(r"(.*):(\d+ \(.*\))", source)
     if match is None:
         return source
-    try:
-        rel = os.path.relpath(match[1])
-    except ValueError:  # another drive on Windows
-        return source
-    return source if rel.startswith("..") else f"{rel}:{match[2]}"
+    return f"{short_path(match[1])}:{match[2]}"
