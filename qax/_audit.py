@@ -53,10 +53,9 @@ class _Rule:
         return issubclass(event.cls, self.target)
 
     def describe(self) -> str:
-        target = (
-            repr(self.target) if isinstance(self.target, str) else self.target.__name__
-        )
-        return f'set by qax.materialization_policy({target}, "{self.policy}")'
+        target = self.target
+        name = f'"{target}"' if isinstance(target, str) else target.__name__
+        return f'set by qax.materialization_policy({name}, "{self.policy}")'
 
 
 # Rules set as statements (keyed by target), and rules of the `with` blocks now open.
@@ -103,7 +102,7 @@ def _target_key(target: Any) -> str | type:
     )
 
 
-class materialization_policy:  # noqa: N801 (used like a function)
+class materialization_policy:  # lower case: it is used like a function
     """Decide what happens when `target` is materialized: "allow", "warn" or "error".
 
     A materialization happens when a primitive reaches an implicit array that no handler
@@ -113,9 +112,9 @@ class materialization_policy:  # noqa: N801 (used like a function)
     and the line of your code instead. All three are still recorded by
     `qax.materialization_audit`.
 
-    Called as a statement, the rule holds for the rest of the program (until another
-    call for the same target, or `undo()`). Used in a ``with`` statement, it holds only
-    inside the block.
+    Called as a statement, the rule holds for the rest of the program, in every thread
+    (until another call for the same target, or `undo()`). Used in a ``with`` statement,
+    it holds only inside the block (and only for the current thread or async task).
 
     Which rule wins when several match: the innermost ``with`` block first; then global
     rules, where a rule for the primitive beats one for the class and a rule for a class
@@ -160,6 +159,8 @@ class materialization_policy:  # noqa: N801 (used like a function)
 
     def __enter__(self) -> materialization_policy:
         # Used as a context manager: the rule is scoped to the block, not global.
+        if self._token is not None:
+            raise RuntimeError(f"{self!r} is already active; create a new one.")
         self.undo()
         self._token = _scoped_rules.set((*_scoped_rules.get(), self.rule))
         return self
@@ -254,6 +255,7 @@ class MaterializationAudit:
 
     @property
     def records(self) -> tuple[MaterializationRecord, ...]:
+        """Every record, in the order the materializations happened."""
         return tuple(self._records)
 
     @property

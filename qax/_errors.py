@@ -64,8 +64,8 @@ MATERIALIZATION_FORBIDDEN = """\
 Primitive {primitive} was not handled by class {cls}, so a {cls} ({aval}) would be \
 materialized at {source} (in the {phase} pass), but its materialization policy is \
 "error" ({rule}). Register a handler with `@qax.primitive_handler("{primitive}")` \
-(`qax.explain("{primitive}", ...)` shows which ones exist), or allow it with \
-`qax.materialization_policy({cls}, "allow")`."""
+(`qax.explain("{primitive}", ...)` shows which ones exist), or allow it, e.g. in a \
+`with qax.materialization_policy({cls}, "allow"):` block."""
 
 UNINITIALIZED_AVAL = """\
 Could not determine the {kind} of this {cls}. Provide it in one of these ways:

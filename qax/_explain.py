@@ -149,7 +149,11 @@ def explain(primitive: str | Primitive, *operand_types: Any) -> Explanation:
     >>> print(qax.explain("dot_general", jax.Array, LoraMatrix))
     qax.explain('dot_general', Array, LoraMatrix)
       Handlers registered for dot_general:
-        [chosen]  lora_matmul (lora.py:12)  (Array, LoraMatrix)  precedence=0  ...
+        [chosen] lora_matmul (Array, LoraMatrix) precedence=0  lora.py:12
+                 the only handler that accepts these types
+      => lora_matmul runs.
+      If it returns NotImplemented:
+        1. LoraMatrix is materialized (with a MaterializationWarning; policy "warn": ...)
 
     Args:
       primitive: a primitive name (e.g. ``"dot_general"``) or a `Primitive`.
@@ -187,18 +191,17 @@ def explain(primitive: str | Primitive, *operand_types: Any) -> Explanation:
         except plum.NotFoundLookupError:
             pass
 
-    candidates = [
-        _judge(m, matching, chosen, types) for m in methods if m not in matching
-    ]
-    ranked = [_judge(m, matching, chosen, types) for m in matching]
-    ranked.sort(key=lambda c: _OUTCOME_ORDER[c.outcome])
+    judged = [_judge(m, matching, chosen, types) for m in methods]
+    judged.sort(
+        key=lambda c: _OUTCOME_ORDER[c.outcome]
+    )  # stable: keeps registration order
     implicit = [t for t in dict.fromkeys(types) if _is_implicit_type(t)]
     policies = {cls: _policy_now(primitive, cls) for cls in implicit}
     return Explanation(
         primitive=primitive,
         operand_types=types,
         swapped=swapped,
-        candidates=(*ranked, *candidates),
+        candidates=tuple(judged),
         chosen=chosen,
         ambiguous=ambiguous,
         fallback=_fallback(primitive, implicit, policies),
@@ -336,12 +339,11 @@ def _fallback(primitive, implicit, policies) -> tuple[str, ...]:
             )
     for cls in implicit:
         policy, why = policies[cls]
-        action = {
-            "allow": "silently",
-            "warn": "with a MaterializationWarning",
-            "error": "no: raises MaterializationError",
+        name = cls.__name__
+        step = {
+            "allow": f"{name} is materialized silently",
+            "warn": f"{name} is materialized, with a MaterializationWarning",
+            "error": f"materializing {name} raises MaterializationError",
         }[policy]
-        steps.append(
-            f'{cls.__name__} is materialized ({action}; policy "{policy}": {why})'
-        )
+        steps.append(f'{step} (policy "{policy}": {why})')
     return tuple(steps)

@@ -147,7 +147,7 @@ def test_fallback_lists_materialization_with_the_policy_in_force():
     e = qax.explain("cos", Ex)
     assert e.chosen is None
     assert e.policies == {Ex: ("warn", "class default")}
-    assert "Ex is materialized (with a MaterializationWarning" in e.fallback[-1]
+    assert "Ex is materialized, with a MaterializationWarning (policy" in e.fallback[-1]
     with qax.materialization_policy(Ex, "error"):
         e = qax.explain("cos", Ex)
     assert e.policies[Ex][0] == "error"
