@@ -6,12 +6,15 @@ upgrade is a change to this file alone. Written against JAX 0.10.x.
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import jax.extend.core as jex_core
 from jax._src import core as _core
 from jax._src import dtypes as _dtypes
 from jax._src import linear_util as _lu
 from jax._src import source_info_util as _source_info
+from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
 
 Trace = _core.Trace
@@ -69,6 +72,50 @@ def user_source_line() -> str | None:
     if frame is None:
         return None
     return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+
+
+# The functions that run a backward pass (transposition): `jax.vjp`, `jax.grad`,
+# `jax.linear_transpose` and the transpose rules of control flow all go through them.
+_BACKWARD_PASS_CODE = frozenset(
+    fn.__code__
+    for fn in (getattr(_ad, name, None) for name in ("backward_pass3", "backward_pass"))
+    if hasattr(fn, "__code__")
+)
+
+
+def in_backward_pass() -> bool:
+    """Whether JAX is running a backward (transpose) pass right now.
+
+    The name stack carries a `transpose` transform there, but re-traced bodies (jit) reset
+    it; the Python call stack still holds the frame of `ad.backward_pass3` then.
+    """
+    for entry in _source_info.current_name_stack().stack:
+        if isinstance(entry, _source_info.Transform) and entry.name == "transpose":
+            return True
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _BACKWARD_PASS_CODE:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def traced_source_line(skip: tuple[str, ...]) -> str | None:
+    """`file:line (function)` of the innermost user frame (outside JAX and `skip`) of the
+    traceback JAX attached to what it evaluates now, if any.
+
+    In a backward pass that is the traceback of the forward operation being transposed.
+    """
+    traceback = _source_info.current().traceback
+    if traceback is None:
+        return None
+    codes, lastis = traceback.raw_frames()
+    for code, lasti in zip(codes, lastis, strict=False):
+        name = code.co_filename
+        if _source_info.is_user_filename(name) and not name.startswith(skip):
+            frame = _source_info.raw_frame_to_frame(code, lasti)
+            return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+    return None
 
 
 def register_exclusion(path: str) -> None:
