@@ -43,7 +43,7 @@ def test_howto_lora_validation_in_post_init():
 
     ValidatedLora(jnp.ones((3, 4)), jnp.ones((3, 2)), jnp.ones((4, 2)))
     with pytest.raises(ValueError, match="do not match"):
-        ValidatedLora(jnp.ones((3, 4)), jnp.ones((3, 2)), jnp.ones((4, 3)), shape=(3, 4))
+        ValidatedLora(jnp.ones((3, 4)), jnp.ones((3, 2)), jnp.ones((4, 3)), shape=(3, 4), dtype=jnp.float32)
     # without a declared shape, inference from materialize() fails first, and says why
     with pytest.raises(qax.UninitializedAval, match="contracting dimensions"):
         ValidatedLora(jnp.ones((3, 4)), jnp.ones((3, 2)), jnp.ones((4, 3)))
