@@ -60,9 +60,6 @@ def bind_with_trace(trace: Trace, primitive: Primitive, args, params):
     return primitive.bind_with_trace(trace, args, tuple(map(typeof, args)), params)
 
 
-
-
-
 def user_source_line() -> str | None:
     """`file:line (function)` of the innermost frame outside JAX and qax, if any."""
     info = _source_info.current()
@@ -126,10 +123,8 @@ def register_exclusion(path: str) -> None:
 def make_debug_info(name: str) -> DebugInfo:
     return DebugInfo("qax", name, None, None)
 
-from jax._src.sharding_impls import UNSPECIFIED  # noqa: E402
 
-shard_map_p = None
-try:  # noqa: SIM105
-    from jax._src.shard_map import shard_map_p  # noqa: E402,F811
+try:
+    from jax._src.shard_map import shard_map_p  # noqa: E402
 except ImportError:  # pragma: no cover
-    pass
+    shard_map_p = None

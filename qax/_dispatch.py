@@ -54,7 +54,9 @@ def resolve_primitive(primitive: str | Primitive) -> Primitive:
             return found
     close = difflib.get_close_matches(primitive, _all_primitive_names(), n=3)
     suggestion = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-    raise ValueError(_errors.UNKNOWN_PRIMITIVE.format(name=primitive, suggestion=suggestion))
+    raise ValueError(
+        _errors.UNKNOWN_PRIMITIVE.format(name=primitive, suggestion=suggestion)
+    )
 
 
 def _function_for(primitive: Primitive) -> plum.Function:
@@ -146,7 +148,8 @@ def _keyword_names(fn: Callable) -> frozenset[str] | None:
     return frozenset(
         p.name
         for p in parameters
-        if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        if p.kind
+        in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     )
 
 

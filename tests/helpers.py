@@ -25,7 +25,9 @@ class Zeros(qax.ImplicitArray):
 
 
 def _binop_shape_dtype(a, b):
-    return jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b)), jnp.result_type(a.dtype, b.dtype)
+    return jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b)), jnp.result_type(
+        a.dtype, b.dtype
+    )
 
 
 @qax.primitive_handler("add")
@@ -68,11 +70,15 @@ def _matmul_side(x, w, dimension_numbers):
 
 
 @qax.primitive_handler("dot_general")
-def _lora_matmul(primitive, x: jax.Array, w: LoraMatrix, *, dimension_numbers, **params):
+def _lora_matmul(
+    primitive, x: jax.Array, w: LoraMatrix, *, dimension_numbers, **params
+):
     side = _matmul_side(x, w, dimension_numbers)
     if side is None:
         return NotImplemented
-    out = qax.default_handler(primitive, x, w.w, dimension_numbers=dimension_numbers, **params)
+    out = qax.default_handler(
+        primitive, x, w.w, dimension_numbers=dimension_numbers, **params
+    )
     first, second = (w.a, w.b) if side == 0 else (w.b, w.a)
     return out + (x @ first) @ second.T
 

@@ -11,7 +11,13 @@ from jax import lax
 import qax
 from qax import constants
 
-SETS = ["COMMUTATIVE_OPS", "ELEMENTWISE_UNOPS", "ELEMENTWISE_BINOPS", "REDUCTION_OPS", "CUMULATIVE_REDUCTION_OPS"]
+SETS = [
+    "COMMUTATIVE_OPS",
+    "ELEMENTWISE_UNOPS",
+    "ELEMENTWISE_BINOPS",
+    "REDUCTION_OPS",
+    "CUMULATIVE_REDUCTION_OPS",
+]
 
 
 @pytest.mark.parametrize("name", SETS)
@@ -40,7 +46,9 @@ def _split(value, k):
     return [value[i] for i in range(k)]
 
 
-@qax.primitive_handler(sorted(constants.ELEMENTWISE_UNOPS | constants.ELEMENTWISE_BINOPS))
+@qax.primitive_handler(
+    sorted(constants.ELEMENTWISE_UNOPS | constants.ELEMENTWISE_BINOPS)
+)
 def _per_part(primitive, x: Stacked, *rest: qax.ArrayValue, **params):
     k = len(x.parts)
     columns = zip(*(_split(v, k) for v in (x, *rest)))
@@ -133,7 +141,11 @@ def _check_all(cases):
             for (_, _, _, mask), args in zip(cases, dense)
         ]
         implicit = qax.use_implicit_args(implicit_results)(values)
-        return implicit, {k: v.materialize() for k, v in implicit.items()}, oracle(dense)
+        return (
+            implicit,
+            {k: v.materialize() for k, v in implicit.items()},
+            oracle(dense),
+        )
 
     dense = [[jnp.asarray(a) for a in args] for _, _, args, _ in cases]
     implicit, got, expected = both(dense)
@@ -142,22 +154,37 @@ def _check_all(cases):
         if not isinstance(implicit[name], Stacked):
             failures.append(f"{name}: result was not kept implicit")
         elif implicit[name].dtype != expected[name].dtype:
-            failures.append(f"{name}: dtype {implicit[name].dtype} != {expected[name].dtype}")
-        elif not np.allclose(got[name], expected[name], rtol=1e-5, atol=1e-6, equal_nan=True):
+            failures.append(
+                f"{name}: dtype {implicit[name].dtype} != {expected[name].dtype}"
+            )
+        elif not np.allclose(
+            got[name], expected[name], rtol=1e-5, atol=1e-6, equal_nan=True
+        ):
             failures.append(f"{name}: values differ")
     assert not failures, failures
 
 
 def test_unary_handlers_match_materialized():
-    _check_all([(n, *_unary_case(n), [True]) for n in sorted(constants.ELEMENTWISE_UNOPS)])
+    _check_all(
+        [(n, *_unary_case(n), [True]) for n in sorted(constants.ELEMENTWISE_UNOPS)]
+    )
 
 
 # Special functions take seconds each to compile on CPU: the operand-order variants use
 # the others (order handling does not depend on the primitive's math).
-SLOW_TO_COMPILE = {"igamma", "igammac", "igamma_grad_a", "polygamma", "zeta", "nextafter"}
+SLOW_TO_COMPILE = {
+    "igamma",
+    "igammac",
+    "igamma_grad_a",
+    "polygamma",
+    "zeta",
+    "nextafter",
+}
 
 
-@pytest.mark.parametrize("mask", [(True, True), (True, False), (False, True)], ids=["both", "left", "right"])
+@pytest.mark.parametrize(
+    "mask", [(True, True), (True, False), (False, True)], ids=["both", "left", "right"]
+)
 def test_binary_handlers_match_materialized(mask):
     names = sorted(constants.ELEMENTWISE_BINOPS)
     if mask != (True, True):

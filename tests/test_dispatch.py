@@ -18,7 +18,12 @@ def _simple_type(name, **class_kwargs):
     def materialize(self):
         return self.x
 
-    cls = type(name, (qax.ImplicitArray,), {"__annotations__": {"x": qax.ArrayValue}, "materialize": materialize}, **class_kwargs)
+    cls = type(
+        name,
+        (qax.ImplicitArray,),
+        {"__annotations__": {"x": qax.ArrayValue}, "materialize": materialize},
+        **class_kwargs,
+    )
     return dataclass(cls)
 
 
@@ -39,7 +44,10 @@ def test_names_primitives_and_lists_register_and_decorator_returns_function():
 
 
 def test_unknown_primitive_name_suggests_close_names():
-    with pytest.raises(ValueError, match=r"Unknown primitive name 'dot_genral'.*Did you mean 'dot_general'"):
+    with pytest.raises(
+        ValueError,
+        match=r"Unknown primitive name 'dot_genral'.*Did you mean 'dot_general'",
+    ):
         qax.primitive_handler("dot_genral")
     with pytest.raises(TypeError, match="name"):
         qax.primitive_handler(3)
@@ -93,7 +101,11 @@ def test_precedence_breaks_ties_and_ambiguity_names_both_handlers():
         f(l_val, s_val)
     message = str(info.value)
     assert "l_first" in message and "s_second" in message
-    assert "precedence=" in message and "use_implicit_args" in message and "qax.explain" in message
+    assert (
+        "precedence=" in message
+        and "use_implicit_args" in message
+        and "qax.explain" in message
+    )
 
     @qax.primitive_handler("add", precedence=1)
     def s_wins(primitive, a: qax.ArrayValue, b: S):
@@ -150,7 +162,9 @@ def test_commute_ops_false_opts_out():
 
     t = T(jnp.arange(3.0))
     assert_close(qax.use_implicit_args(lambda u: u * 2.0)(t), t.x * 2)
-    with pytest.warns(qax.MaterializationWarning, match="mul was not handled by class NoComm"):
+    with pytest.warns(
+        qax.MaterializationWarning, match="mul was not handled by class NoComm"
+    ):
         qax.use_implicit_args(lambda u: 2.0 * u)(t)
 
 
@@ -186,7 +200,10 @@ def test_handler_result_with_wrong_shape_or_dtype_is_reported():
         return jnp.zeros(a.shape, jnp.int32)
 
     t = T(jnp.ones(3))
-    with pytest.raises(qax.HandlerError, match=r"wrong_shape.*returned float32\[5\].*produces float32\[3\]"):
+    with pytest.raises(
+        qax.HandlerError,
+        match=r"wrong_shape.*returned float32\[5\].*produces float32\[3\]",
+    ):
         qax.use_implicit_args(jnp.cos)(t)
     with pytest.raises(qax.HandlerError, match=r"wrong_dtype.*returned int32\[3\]"):
         qax.use_implicit_args(jnp.tan)(t)
@@ -199,7 +216,9 @@ def test_handler_without_params_keyword_gets_only_what_it_accepts():
     def no_params(primitive, a: T, b):  # `mul` has an `out_dtype` parameter (None)
         return a.x * b
 
-    assert_close(qax.use_implicit_args(lambda u: u * 3.0)(T(jnp.ones(2))), 3 * jnp.ones(2))
+    assert_close(
+        qax.use_implicit_args(lambda u: u * 3.0)(T(jnp.ones(2))), 3 * jnp.ones(2)
+    )
 
 
 def test_dispatch_cache_is_invalidated_by_new_registrations():

@@ -23,7 +23,9 @@ def test_fields_are_children_with_keys_and_aux_fields_are_static():
             return self.x
 
     t = Tagged(jnp.arange(3.0))
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(t)[0]]
+    paths = [
+        jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(t)[0]
+    ]
     assert paths[0] == ".x"
     treedef = jax.tree_util.tree_structure(t)
     other = Tagged(jnp.ones(3), tag="bye")
@@ -55,7 +57,9 @@ def test_subclass_without_explicit_dataclass_gets_fields():
     assert s.shape == (4,) and s.dtype == jnp.float32
     assert [f.name for f in dataclasses.fields(s)] == ["shape", "dtype", "x", "scale"]
     assert jax.tree_util.tree_structure(s).num_leaves == 2  # x and the hidden aval leaf
-    with pytest.warns(qax.MaterializationWarning, match="add was not handled by class Scaled"):
+    with pytest.warns(
+        qax.MaterializationWarning, match="add was not handled by class Scaled"
+    ):
         assert_close(qax.use_implicit_args(lambda v: v + 0)(s), 3 * jnp.ones(4))
 
 
@@ -111,7 +115,9 @@ def test_declared_value_disagreeing_with_materialize_warns():
         def materialize(self):
             return jnp.zeros((2, 2), jnp.float32)
 
-    with pytest.warns(UserWarning, match=r"declares shape \(3, 3\).*produces shape \(2, 2\)"):
+    with pytest.warns(
+        UserWarning, match=r"declares shape \(3, 3\).*produces shape \(2, 2\)"
+    ):
         Liar(shape=(3, 3), dtype=jnp.float32)
 
 
@@ -124,7 +130,12 @@ def test_uninitialized_aval_lists_the_ways_to_fix_it():
         NoShape()
     message = str(info.value)
     assert "shape of this NoShape" in message
-    for hint in ("NoShape(..., shape=...)", "compute_shape", "default_shape", "eval_shape"):
+    for hint in (
+        "NoShape(..., shape=...)",
+        "compute_shape",
+        "default_shape",
+        "eval_shape",
+    ):
         assert hint in message
 
 
@@ -161,7 +172,9 @@ def test_class_keywords_and_inheritance():
     assert Zeros.commute_ops is True and Zeros.warn_on_materialize is True
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert_close(qax.use_implicit_args(jnp.sin)(Quiet(shape=(2,))), jnp.sin(jnp.ones(2)))
+        assert_close(
+            qax.use_implicit_args(jnp.sin)(Quiet(shape=(2,))), jnp.sin(jnp.ones(2))
+        )
 
 
 def test_aval_ndim_size_transpose_and_repr():
@@ -208,7 +221,10 @@ def test_materialize_nested_one_layer_and_full():
 
 def test_hidden_aval_leaf_tracks_tree_map_and_dtype_casts():
     stacked = LoraMatrix(
-        jnp.ones((3, 4, 5)), jnp.ones((3, 4, 2)), jnp.ones((3, 5, 2)), shape=(3, 4, 5),
+        jnp.ones((3, 4, 5)),
+        jnp.ones((3, 4, 2)),
+        jnp.ones((3, 5, 2)),
+        shape=(3, 4, 5),
         dtype=jnp.float32,
     )
     assert stacked.shape == (3, 4, 5)
@@ -221,7 +237,12 @@ def test_hidden_aval_leaf_tracks_tree_map_and_dtype_casts():
     assert out.dtype == jnp.bfloat16
     assert_close(out.astype(jnp.float32), (x @ half.materialize()).astype(jnp.float32))
     # leaves are arrays of zero size: nothing is stored for the shape
-    assert sum(np.size(leaf) for leaf in jax.tree_util.tree_leaves(Zeros(shape=(100, 100)))) == 0
+    assert (
+        sum(
+            np.size(leaf) for leaf in jax.tree_util.tree_leaves(Zeros(shape=(100, 100)))
+        )
+        == 0
+    )
 
 
 def test_per_type_default_handler():

@@ -10,7 +10,6 @@ import pytest
 import qax
 from tests.helpers import LoraMatrix, Zeros, assert_close
 
-
 # -- seeds/002: the how-to ---------------------------------------------------------------
 
 
@@ -43,7 +42,13 @@ def test_howto_lora_validation_in_post_init():
 
     ValidatedLora(jnp.ones((3, 4)), jnp.ones((3, 2)), jnp.ones((4, 2)))
     with pytest.raises(ValueError, match="do not match"):
-        ValidatedLora(jnp.ones((3, 4)), jnp.ones((3, 2)), jnp.ones((4, 3)), shape=(3, 4), dtype=jnp.float32)
+        ValidatedLora(
+            jnp.ones((3, 4)),
+            jnp.ones((3, 2)),
+            jnp.ones((4, 3)),
+            shape=(3, 4),
+            dtype=jnp.float32,
+        )
     # without a declared shape, inference from materialize() fails first, and says why
     with pytest.raises(qax.UninitializedAval, match="contracting dimensions"):
         ValidatedLora(jnp.ones((3, 4)), jnp.ones((3, 2)), jnp.ones((4, 3)))
@@ -54,9 +59,14 @@ def test_howto_lora_dot_general_falls_back_for_other_contractions():
     x = jnp.arange(3.0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert_close(qax.use_implicit_args(lambda w: x @ w)(lora), x @ lora.materialize())
+        assert_close(
+            qax.use_implicit_args(lambda w: x @ w)(lora), x @ lora.materialize()
+        )
     batched = lambda w: jnp.einsum("ij,ij->j", w, w)  # noqa: E731
-    with pytest.warns(qax.MaterializationWarning, match="dot_general was not handled by class LoraMatrix"):
+    with pytest.warns(
+        qax.MaterializationWarning,
+        match="dot_general was not handled by class LoraMatrix",
+    ):
         out = qax.use_implicit_args(batched)(lora)
     assert_close(out, batched(lora.materialize()))
 
@@ -96,9 +106,17 @@ def _lora_matvec(w, a, b, y):
 
 
 @qax.primitive_handler("dot_general")
-def _rank_one_matvec(primitive, x: RankOneLora, y: qax.ArrayValue, *, dimension_numbers, **params):
+def _rank_one_matvec(
+    primitive, x: RankOneLora, y: qax.ArrayValue, *, dimension_numbers, **params
+):
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
-    if jnp.ndim(y) != 1 or lhs_batch or rhs_batch or lhs_contract != (1,) or rhs_contract != (0,):
+    if (
+        jnp.ndim(y) != 1
+        or lhs_batch
+        or rhs_batch
+        or lhs_contract != (1,)
+        or rhs_contract != (0,)
+    ):
         return NotImplemented
     # Re-dispatch on the type of y, whatever it is.
     return qax.use_implicit_args(_lora_matvec)(x.w, x.a, x.b, y)
@@ -123,7 +141,9 @@ class OneHotVector(qax.ImplicitArray):
 
 
 @qax.primitive_handler("dot_general")
-def _dense_times_one_hot(primitive, x: jax.Array, y: OneHotVector, *, dimension_numbers, **params):
+def _dense_times_one_hot(
+    primitive, x: jax.Array, y: OneHotVector, *, dimension_numbers, **params
+):
     if jnp.ndim(x) == 1:
         return x[y.index] * y.value
     return x[:, y.index] * y.value
@@ -160,8 +180,12 @@ def test_quax_ambiguity_tutorial_error_names_both_handlers():
     def any_sparse(primitive, x: qax.ArrayValue, y: RightSparse, **params):
         return NotImplemented
 
-    with pytest.raises(qax.HandlerError, match="(?s)lora_any.*any_sparse|any_sparse.*lora_any"):
-        qax.use_implicit_args(lambda a, b: a @ b)(LeftLora(jnp.ones((2, 2))), RightSparse(jnp.ones(2)))
+    with pytest.raises(
+        qax.HandlerError, match="(?s)lora_any.*any_sparse|any_sparse.*lora_any"
+    ):
+        qax.use_implicit_args(lambda a, b: a @ b)(
+            LeftLora(jnp.ones((2, 2))), RightSparse(jnp.ones(2))
+        )
 
 
 # -- seeds/001: a backward-pass tag as a per-type default rule ---------------------------
@@ -208,7 +232,10 @@ def tagged_value_and_grad(fn):
 
 
 def test_backward_tag_tutorial():
-    ws = [jax.random.normal(jax.random.PRNGKey(i), shape) for i, shape in enumerate([(2, 8), (8, 8), (8, 1)])]
+    ws = [
+        jax.random.normal(jax.random.PRNGKey(i), shape)
+        for i, shape in enumerate([(2, 8), (8, 8), (8, 1)])
+    ]
 
     def mlp(x):
         for w in ws[:-1]:
@@ -251,7 +278,9 @@ def _diag_unary(primitive, d: DiagonalArray, **params):
 
 
 @qax.primitive_handler("dot_general")
-def _diag_matmul(primitive, d: DiagonalArray, x: jax.Array, *, dimension_numbers, **params):
+def _diag_matmul(
+    primitive, d: DiagonalArray, x: jax.Array, *, dimension_numbers, **params
+):
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
     if lhs_contract != (1,) or rhs_contract != (0,) or lhs_batch or rhs_batch:
         return NotImplemented
@@ -273,7 +302,10 @@ def test_diagonal_array_stays_diagonal():
 
 def test_diagonal_array_exp_falls_back_with_warning_under_jit_and_grad():
     d = DiagonalArray(jnp.array([1.0, 2.0, 3.0]))
-    with pytest.warns(qax.MaterializationWarning, match="Primitive exp was not handled by class DiagonalArray"):
+    with pytest.warns(
+        qax.MaterializationWarning,
+        match="Primitive exp was not handled by class DiagonalArray",
+    ):
         out = jax.jit(qax.use_implicit_args(jnp.exp))(d)
     assert_close(out, jnp.exp(jnp.diag(d.diagonal)))  # off-diagonal entries become 1
 

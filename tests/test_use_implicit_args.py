@@ -51,7 +51,9 @@ def test_implicit_outputs_and_passthrough():
     assert_close(out[2]["b"], jnp.ones(3))
 
 
-@pytest.mark.parametrize("where", ["outside", "inside"], ids=["jit-outside", "jit-inside"])
+@pytest.mark.parametrize(
+    "where", ["outside", "inside"], ids=["jit-outside", "jit-inside"]
+)
 def test_jit(where):
     params = make_params(KEY)
     x = jax.random.normal(KEY, (4, 6))
@@ -73,7 +75,9 @@ def test_grad_matches_materialized_gradient():
         return model(dense(p), x)
 
     expected = jax.grad(through_materialize)(params)
-    for got, want in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(expected)):
+    for got, want in zip(
+        jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(expected)
+    ):
         assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -92,7 +96,9 @@ def test_vmap_outside_and_inside():
     xs = jax.random.normal(KEY, (7, 6))
     f = lambda w, x: jnp.tanh(x @ w)  # noqa: E731
     expected = jax.vmap(f, in_axes=(None, 0))(lora.materialize(), xs)
-    assert_close(jax.vmap(qax.use_implicit_args(f), in_axes=(None, 0))(lora, xs), expected)
+    assert_close(
+        jax.vmap(qax.use_implicit_args(f), in_axes=(None, 0))(lora, xs), expected
+    )
     inside = qax.use_implicit_args(lambda w, xs: jax.vmap(lambda x: f(w, x))(xs))
     assert_close(inside(lora, xs), expected)
 
@@ -103,7 +109,7 @@ def test_vmap_over_batched_implicit_array():
     x = jax.random.normal(KEY, (6,))
     out = jax.vmap(qax.use_implicit_args(lambda w: x @ w))(stacked)
     for i in range(3):
-        one = jax.tree_util.tree_map(lambda leaf: leaf[i], stacked)
+        one = jax.tree_util.tree_map(lambda leaf, i=i: leaf[i], stacked)
         assert_close(out[i], x @ one.materialize())
 
 
@@ -118,7 +124,9 @@ def test_vmap_over_shape_only_implicit_array_regression():
     assert_close(out, jax.vmap(f)(z.materialize(), a))
     # the body really saw a (4,) symbolic zero and kept it symbolic
     seen = []
-    jax.vmap(qax.use_implicit_args(lambda z, a: seen.append(z.shape) or jnp.sum(z + a)))(z, a)
+    jax.vmap(
+        qax.use_implicit_args(lambda z, a: seen.append(z.shape) or jnp.sum(z + a))
+    )(z, a)
     assert seen == [(4,)]
 
 
@@ -141,7 +149,9 @@ def test_implicit_arrays_created_inside_the_wrapped_function():
 
     assert_close(qax.use_implicit_args(f)(jnp.arange(4.0)), 6.0)
     jaxpr = jax.make_jaxpr(qax.use_implicit_args(f))(jnp.arange(4.0))
-    assert "mul" not in primitive_names(jaxpr)  # the product with zeros was never formed
+    assert "mul" not in primitive_names(
+        jaxpr
+    )  # the product with zeros was never formed
 
 
 def test_jaxpr_never_forms_w_plus_ab():
@@ -166,7 +176,10 @@ def test_output_of_one_call_feeds_another():
     double = qax.use_implicit_args(lambda a: a * 2.0)
     out = double(double(z))
     assert isinstance(out, Zeros)
-    assert_close(qax.use_implicit_args(lambda a, b: a + b)(out, jnp.ones((2, 2))), jnp.ones((2, 2)))
+    assert_close(
+        qax.use_implicit_args(lambda a, b: a + b)(out, jnp.ones((2, 2))),
+        jnp.ones((2, 2)),
+    )
 
 
 @dataclass
@@ -180,6 +193,8 @@ class _Pair(qax.ImplicitArray):
 
 def test_implicit_array_with_no_handlers_materializes_with_warning():
     pair = _Pair(jnp.ones(2), jnp.zeros(3))
-    with pytest.warns(qax.MaterializationWarning, match="Primitive sin was not handled by class _Pair"):
+    with pytest.warns(
+        qax.MaterializationWarning, match="Primitive sin was not handled by class _Pair"
+    ):
         out = qax.use_implicit_args(jnp.sin)(pair)
     assert_close(out, jnp.sin(pair.materialize()))
