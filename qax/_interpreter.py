@@ -25,7 +25,12 @@ import numpy as np
 import plum
 
 from . import _dispatch, _errors
-from ._base import ImplicitBase, check_declared_avals, is_implicit, quiet_materialization
+from ._base import (
+    ImplicitBase,
+    check_declared_avals,
+    is_implicit,
+    quiet_materialization,
+)
 from ._compat import (
     Primitive,
     Trace,
