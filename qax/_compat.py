@@ -6,11 +6,15 @@ upgrade is a change to this file alone. Written against JAX 0.10.x.
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import jax.extend.core as jex_core
 from jax._src import core as _core
+from jax._src import dtypes as _dtypes
 from jax._src import linear_util as _lu
 from jax._src import source_info_util as _source_info
+from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
 
 Trace = _core.Trace
@@ -35,6 +39,13 @@ convert_constvars_jaxpr = _pe.convert_constvars_jaxpr
 wrap_init = _lu.wrap_init
 
 
+def canonicalize_value(x):
+    """`x` as a value a trace accepts (NumPy arrays and Python scalars canonicalized)."""
+    if isinstance(x, Tracer):
+        return x
+    return _dtypes.canonicalize_value(x)
+
+
 def current_trace() -> Trace:
     """The trace that a `bind` right now would go to."""
     return _core.trace_ctx.trace
@@ -49,9 +60,6 @@ def bind_with_trace(trace: Trace, primitive: Primitive, args, params):
     return primitive.bind_with_trace(trace, args, tuple(map(typeof, args)), params)
 
 
-
-
-
 def user_source_line() -> str | None:
     """`file:line (function)` of the innermost frame outside JAX and qax, if any."""
     info = _source_info.current()
@@ -63,6 +71,50 @@ def user_source_line() -> str | None:
     return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
 
 
+# The functions that run a backward pass (transposition): `jax.vjp`, `jax.grad`,
+# `jax.linear_transpose` and the transpose rules of control flow all go through them.
+_BACKWARD_PASS_CODE = frozenset(
+    fn.__code__
+    for fn in (getattr(_ad, name, None) for name in ("backward_pass3", "backward_pass"))
+    if hasattr(fn, "__code__")
+)
+
+
+def in_backward_pass() -> bool:
+    """Whether JAX is running a backward (transpose) pass right now.
+
+    The name stack carries a `transpose` transform there, but re-traced bodies (jit) reset
+    it; the Python call stack still holds the frame of `ad.backward_pass3` then.
+    """
+    for entry in _source_info.current_name_stack().stack:
+        if isinstance(entry, _source_info.Transform) and entry.name == "transpose":
+            return True
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _BACKWARD_PASS_CODE:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def traced_source_line(skip: tuple[str, ...]) -> str | None:
+    """`file:line (function)` of the innermost user frame (outside JAX and `skip`) of the
+    traceback JAX attached to what it evaluates now, if any.
+
+    In a backward pass that is the traceback of the forward operation being transposed.
+    """
+    traceback = _source_info.current().traceback
+    if traceback is None:
+        return None
+    codes, lastis = traceback.raw_frames()
+    for code, lasti in zip(codes, lastis, strict=False):
+        name = code.co_filename
+        if _source_info.is_user_filename(name) and not name.startswith(skip):
+            frame = _source_info.raw_frame_to_frame(code, lasti)
+            return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+    return None
+
+
 def register_exclusion(path: str) -> None:
     """Hide qax's own frames from JAX's "user frame" search and tracebacks."""
     _source_info.register_exclusion(path)
@@ -71,10 +123,8 @@ def register_exclusion(path: str) -> None:
 def make_debug_info(name: str) -> DebugInfo:
     return DebugInfo("qax", name, None, None)
 
-from jax._src.sharding_impls import UNSPECIFIED  # noqa: E402
 
-shard_map_p = None
-try:  # noqa: SIM105
-    from jax._src.shard_map import shard_map_p  # noqa: E402,F811
+try:
+    from jax._src.shard_map import shard_map_p  # noqa: E402
 except ImportError:  # pragma: no cover
-    pass
+    shard_map_p = None

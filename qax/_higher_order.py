@@ -21,6 +21,7 @@ from ._compat import (
     ClosedJaxpr,
     Tracer,
     bind_with_trace,
+    canonicalize_value,
     current_trace,
     eval_jaxpr,
     is_eval_trace,
@@ -45,8 +46,13 @@ class TracedBody:
 
 
 def flatten_values(vals: list) -> tuple[list, Any]:
-    """Flatten values to array leaves (implicit arrays are opened all the way down)."""
-    return jax.tree_util.tree_flatten(list(vals))
+    """Flatten values to canonical array leaves (implicit arrays opened all the way down).
+
+    Leaves of implicit arrays may be NumPy arrays (e.g. the zero-size aval leaf), which
+    a parent trace only accepts once canonicalized.
+    """
+    leaves, tree = jax.tree_util.tree_flatten(list(vals))
+    return [canonicalize_value(x) for x in leaves], tree
 
 
 def trace_body(
