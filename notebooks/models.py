@@ -185,7 +185,9 @@ class RMSNorm(nn.Module):
         return x * jax.lax.rsqrt(variance + self.eps) * scale
 
 
-def relative_bucket(relative: jax.Array, bidirectional: bool, n_buckets: int, max_distance: int):
+def relative_bucket(
+    relative: jax.Array, bidirectional: bool, n_buckets: int, max_distance: int
+):
     """Bucket signed distances: exact for small ones, logarithmic up to `max_distance`."""
     bucket = jnp.zeros_like(relative)
     if bidirectional:
@@ -195,7 +197,9 @@ def relative_bucket(relative: jax.Array, bidirectional: bool, n_buckets: int, ma
     else:
         distance = jnp.maximum(-relative, 0)
     exact = n_buckets // 2
-    log_ratio = jnp.log(jnp.maximum(distance, 1) / exact) / math.log(max_distance / exact)
+    log_ratio = jnp.log(jnp.maximum(distance, 1) / exact) / math.log(
+        max_distance / exact
+    )
     far = exact + (log_ratio * (n_buckets - exact)).astype(relative.dtype)
     far = jnp.minimum(far, n_buckets - 1)
     return bucket + jnp.where(distance < exact, distance, far)
@@ -211,7 +215,9 @@ class RelativePositionBias(nn.Module):
     def __call__(self, q_len: int, k_len: int) -> jax.Array:
         c = self.config
         relative = jnp.arange(k_len)[None, :] - jnp.arange(q_len)[:, None]
-        buckets = relative_bucket(relative, self.bidirectional, c.n_buckets, c.max_distance)
+        buckets = relative_bucket(
+            relative, self.bidirectional, c.n_buckets, c.max_distance
+        )
         table = nn.Embed(c.n_buckets, c.n_heads, name="relative_attention_bias")
         return jnp.transpose(table(buckets), (2, 0, 1))[None]
 
@@ -225,7 +231,9 @@ class T5Attention(nn.Module):
         inner = c.n_heads * c.d_kv
 
         def project(name, t):
-            return _split_heads(nn.Dense(inner, use_bias=False, name=name)(t), c.n_heads)
+            return _split_heads(
+                nn.Dense(inner, use_bias=False, name=name)(t), c.n_heads
+            )
 
         q, k, v = project("q", x), project("k", context), project("v", context)
         out = _attention(q, k, v, bias)
@@ -280,7 +288,9 @@ class T5(nn.Module):
 
         x = shared(input_ids)
         n = x.shape[1]
-        bias = RelativePositionBias(c, bidirectional=True, name="encoder_position")(n, n)
+        bias = RelativePositionBias(c, bidirectional=True, name="encoder_position")(
+            n, n
+        )
         for i in range(c.n_layers):
             x = T5EncoderLayer(c, name=f"encoder_{i}")(x, bias)
         encoded = RMSNorm(name="encoder_ln")(x)
@@ -291,7 +301,9 @@ class T5(nn.Module):
         self_bias = position(m, m) + _causal_bias(m, y.dtype)
         cross_bias = jnp.zeros((1, 1, m, n), y.dtype)
         for i in range(c.n_layers):
-            y = T5DecoderLayer(c, name=f"decoder_{i}")(y, encoded, self_bias, cross_bias)
+            y = T5DecoderLayer(c, name=f"decoder_{i}")(
+                y, encoded, self_bias, cross_bias
+            )
         y = RMSNorm(name="decoder_ln")(y)
         return shared.attend(y * c.d_model**-0.5)
 
@@ -329,7 +341,9 @@ def random_variables(model: nn.Module, *inputs, seed: int = 0):
         elif name == "embedding":
             value = rng.standard_normal(spec.shape) / np.sqrt(spec.shape[-1])
         else:
-            raise ValueError(f"no initialisation rule for parameter {jax.tree_util.keystr(path)}")
+            raise ValueError(
+                f"no initialisation rule for parameter {jax.tree_util.keystr(path)}"
+            )
         return jnp.asarray(value.astype(spec.dtype))
 
     return jax.tree_util.tree_map_with_path(draw, shapes)

@@ -59,17 +59,24 @@ def test_loss_falls_and_frozen_weights_are_bitwise_unchanged(walkthrough):
             after = after[key.key]
         if isinstance(after, lora_finetune.LoraMatrix):
             kernels += 1
-            assert np.any(np.asarray(after.b) != 0), f"LoRA factor b never trained at {path}"
+            assert np.any(np.asarray(after.b) != 0), (
+                f"LoRA factor b never trained at {path}"
+            )
             after = after.w
         after = np.asarray(after)
-        assert after.dtype == before.dtype and after.tobytes() == np.asarray(before).tobytes()
+        assert (
+            after.dtype == before.dtype
+            and after.tobytes() == np.asarray(before).tobytes()
+        )
     assert kernels == 4  # c_attn, attn c_proj, c_fc, mlp c_proj of the single block
     assert result.frozen_unchanged
 
     lora = [x for x in jax.tree_util.tree_leaves(final, is_leaf=lora_finetune.is_lora)]
     factors = sum(x.a.size + x.b.size for x in lora if lora_finetune.is_lora(x))
     assert result.trainable == factors
-    assert result.total == factors + sum(x.size for x in jax.tree_util.tree_leaves(base))
+    assert result.total == factors + sum(
+        x.size for x in jax.tree_util.tree_leaves(base)
+    )
     # Adam keeps two moments per trainable number, and nothing for the frozen ones.
     assert 2 * 4 * factors <= result.opt_state_bytes < 2 * 4 * factors + 64
     assert result.merge_error < 1e-4
@@ -77,7 +84,10 @@ def test_loss_falls_and_frozen_weights_are_bitwise_unchanged(walkthrough):
 
 @needs_freeze_keys
 def test_command_line_prints_progress_and_summary():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
     run = subprocess.run(
         [sys.executable, str(SCRIPT), *TINY, "--steps", "4", "--log-every", "2"],
         capture_output=True,
@@ -97,8 +107,11 @@ def test_command_line_prints_progress_and_summary():
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--d-model", "30", "--heads", "4"], "--d-model (30) must be a multiple of --heads (4)"),
-        (["--rank", "0"], "--rank must be at least 1"),
+        (
+            ["--d-model", "30", "--heads", "4"],
+            "--d-model (30) must be a multiple of --heads (4)",
+        ),
+        (["--rank", "0"], "argument --rank: must be at least 1, got 0"),
         (["--corpus", "no/such/file.txt"], "--corpus: no file at no/such/file.txt"),
     ],
     ids=["width-not-divisible", "zero-rank", "missing-corpus"],
