@@ -48,6 +48,11 @@ def canonicalize_value(x):
     return _dtypes.canonicalize_value(x)
 
 
+def eval_context():
+    """Context in which binds execute eagerly, whatever trace is current."""
+    return _core.eval_context()
+
+
 def current_trace() -> Trace:
     """The trace that a `bind` right now would go to."""
     return _core.trace_ctx.trace
