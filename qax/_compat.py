@@ -16,6 +16,8 @@ from jax._src import linear_util as _lu
 from jax._src import source_info_util as _source_info
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
+from jax._src.shard_map import shard_map_p as shard_map_p
+from jax._src.sharding_impls import UNSPECIFIED as UNSPECIFIED
 
 Trace = _core.Trace
 Tracer = _core.Tracer
@@ -44,6 +46,11 @@ def canonicalize_value(x):
     if isinstance(x, Tracer):
         return x
     return _dtypes.canonicalize_value(x)
+
+
+def eval_context():
+    """Context in which binds execute eagerly, whatever trace is current."""
+    return _core.eval_context()
 
 
 def current_trace() -> Trace:
@@ -124,7 +131,3 @@ def make_debug_info(name: str) -> DebugInfo:
     return DebugInfo("qax", name, None, None)
 
 
-try:
-    from jax._src.shard_map import shard_map_p  # noqa: E402
-except ImportError:  # pragma: no cover
-    shard_map_p = None

@@ -143,7 +143,7 @@ def _check_all(cases):
         implicit = qax.use_implicit_args(implicit_results)(values)
         return (
             implicit,
-            {k: v.materialize() for k, v in implicit.items()},
+            {k: qax.materialize_nested(v) for k, v in implicit.items()},
             oracle(dense),
         )
 
