@@ -1,7 +1,9 @@
 """qax: arrays represented one way that behave like another, for any JAX code."""
 
-from . import constants as constants
 from . import _higher_order as _higher_order  # noqa: F401 (registers structural rules)
+from . import constants as constants
+from . import symbols as symbols
+from . import utils as utils
 from ._base import ImplicitBase as ImplicitBase
 from ._dispatch import ArrayValue as ArrayValue
 from ._dispatch import default_handler as default_handler
@@ -13,6 +15,7 @@ from ._implicit_array import ImplicitArray as ImplicitArray
 from ._implicit_array import aux_field as aux_field
 from ._interpreter import materialize_nested as materialize_nested
 from ._interpreter import use_implicit_args as use_implicit_args
+from ._optax import freeze_keys as freeze_keys
 from ._tree_util import EmptyNode as EmptyNode
 
 __version__ = "0.1.0"
@@ -28,7 +31,10 @@ __all__ = [
     "aux_field",
     "constants",
     "default_handler",
+    "freeze_keys",
     "materialize_nested",
     "primitive_handler",
+    "symbols",
     "use_implicit_args",
+    "utils",
 ]
