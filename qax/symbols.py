@@ -69,6 +69,11 @@ _TRACED_VALUE = (
 )
 
 
+# Abstract values by (shape, dtype, weak type): tracing asks for them on every operation.
+_avals: dict[tuple, jax.core.ShapedArray] = {}
+_CACHE_LIMIT = 8192
+
+
 class SymbolicConstant(ImplicitArray):
     """An array of `shape` whose elements all equal `value`, known at trace time.
 
@@ -125,15 +130,21 @@ class SymbolicConstant(ImplicitArray):
 
     @property
     def aval(self) -> jax.core.ShapedArray:
-        return jax.core.ShapedArray(self.shape, self.dtype, weak_type=self.weak_type)
+        key = (self.shape, self.dtype, self.weak_type)
+        aval = _avals.get(key)
+        if aval is None:
+            if len(_avals) > _CACHE_LIMIT:
+                _avals.clear()
+            aval = _avals[key] = jax.core.ShapedArray(*key[:2], weak_type=key[2])
+        return aval
 
     def materialize(self) -> jax.Array:
-        return lax.broadcast(_scalar_array(self.value, self.weak_type), self.shape)
+        return _broadcast(self.value, self.weak_type, self.shape)
 
     def __repr__(self) -> str:
         weak = ", weak_type=True" if self.weak_type else ""
         return (
-            f"SymbolicConstant(value={self.value}, shape={self.shape}, "
+            f"SymbolicConstant(value={self.value!s}, shape={self.shape}, "
             f"dtype={np.dtype(self.dtype).name}{weak})"
         )
 
@@ -208,22 +219,35 @@ def _canonical_value(value: Any, dtype: np.dtype) -> Any:
 _scalar_arrays: dict[tuple, jax.Array] = {}
 
 
-def _scalar_array(value: Any, weak_type: bool) -> jax.Array:
-    """A concrete 0-d array holding `value`, weakly typed if asked (cached)."""
-    key = (value.dtype, value.tobytes(), weak_type)
+def _scalar(value: Any, weak_type: bool) -> Any:
+    """`value` as an operand that staging turns into a literal, keeping its weak type.
+
+    NumPy scalars (strong) and Python scalars (weak, default dtypes) become literals;
+    other weak scalars are concrete 0-d arrays (cached).
+    """
+    if not weak_type:
+        return value
+    python = value.item()
+    if jax.typeof(python).dtype == value.dtype:
+        return python
+    key = (value.dtype, value.tobytes())
     out = _scalar_arrays.get(key)
     if out is None:
         with jax.core.eval_context():
             out = lax.convert_element_type_p.bind(
-                jnp.asarray(value),
-                new_dtype=value.dtype,
-                weak_type=weak_type,
-                sharding=None,
+                jnp.asarray(value), new_dtype=value.dtype, weak_type=True, sharding=None
             )
         if len(_scalar_arrays) > 4096:
             _scalar_arrays.clear()
         _scalar_arrays[key] = out
     return out
+
+
+def _broadcast(value: Any, weak_type: bool, shape: tuple[int, ...]) -> jax.Array:
+    scalar = _scalar(value, weak_type)
+    if not shape:
+        return jnp.asarray(scalar)
+    return lax.broadcast_in_dim(scalar, shape, ())
 
 
 def _aval_of(x: Any) -> jax.core.ShapedArray:
@@ -259,7 +283,6 @@ def _as_constant(x: Any) -> SymbolicConstant | None:
 
 _abstract_cache: dict[tuple, Any] = {}
 _value_cache: dict[tuple, Any] = {}
-_CACHE_LIMIT = 8192
 
 
 def _params_key(params: dict) -> tuple | None:
@@ -424,7 +447,7 @@ def _with_constant(primitive, c: SymbolicConstant, x: Any, const_first: bool, pa
     if absorbed is not None:
         return _constant(_canonical_value(absorbed, np.dtype(out.dtype)), out)
 
-    scalar = _scalar_array(c.value, c.weak_type)
+    scalar = _scalar(c.value, c.weak_type)
 
     def run(x):
         args = (scalar, x) if const_first else (x, scalar)
@@ -584,7 +607,7 @@ def _select_n(primitive, which: ArrayValue, *cases: ArrayValue):
 def _dense_case(case: Any, out: jax.core.ShapedArray) -> Any:
     if not isinstance(case, SymbolicConstant):
         return case
-    return lax.broadcast(_scalar_array(case.value, case.weak_type), out.shape)
+    return _broadcast(case.value, case.weak_type, out.shape)
 
 
 # ----------------------------------------------------------------------------------------
