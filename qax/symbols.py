@@ -12,7 +12,8 @@ compiled program contains no equation for them. The handlers in this module cove
 - a constant with an ordinary array: identities (``x + 0``, ``0 + x``, ``x - 0``,
   ``x * 1``, ``x / 1``, ``x ** 1``, ``x | 0``, ``x & ~0``, ``max(x, -inf)``, shifts by 0)
   return ``x`` (broadcast, and cast as JAX would); absorbing values (``x * 0``,
-  ``x & 0``, ``x | ~0``, ``x ** 0``, integer ``max``/``min`` with the extreme value)
+  ``x & 0``, ``x | ~0``, ``x ** 0``, ``1 ** x``, ``0 << x``, integer ``max``/``min``
+  with the extreme value)
   return a constant; any other elementwise op uses the value as a rank-0 literal, which
   is what ``x * 2.0`` costs in plain JAX. A rank-0 concrete operand counts as a
   constant;
@@ -407,8 +408,10 @@ def _absorbed(name: str, c: SymbolicConstant, const_first: bool) -> Any:
         return v
     if name == "min" and dtype.kind in "biu" and v == _lowest(dtype):
         return v
-    if name == "pow" and not const_first and v == 0:
-        return 1
+    if name == "pow" and (v == 0 if not const_first else v == 1):
+        return 1  # x ** 0 and 1 ** x are 1, also for NaN
+    if name.startswith("shift") and const_first and v == 0:
+        return v
     return None
 
 

@@ -415,6 +415,8 @@ ABSORBING = [
     ("x&0", lambda x, c: x & c, XI, 0, 0),
     ("x|-1", lambda x, c: x | c, XI, -1, -1),
     ("x**0", lambda x, c: x**c, X, 0.0, 1.0),
+    ("1**x", lambda x, c: c**x, X, 1.0, 1.0),
+    ("0<<x", lambda x, c: c << x, XI, 0, 0),
     ("max(x,INT_MAX)", jnp.maximum, XI, 2**31 - 1, 2**31 - 1),
 ]
 
