@@ -78,3 +78,45 @@ try:  # noqa: SIM105
     from jax._src.shard_map import shard_map_p  # noqa: E402,F811
 except ImportError:  # pragma: no cover
     pass
+
+# -- used by the higher-order rules (`qax/_higher_order.py`) ------------------------------
+from jax._src import ad_util as _ad_util  # noqa: E402
+from jax._src.tree_util import FlatTree  # noqa: E402
+
+pvary_p = getattr(_core, "pvary_p", None)
+Zero = _ad_util.Zero
+SymbolicZero = _ad_util.SymbolicZero
+
+
+def transformation2(gen, fun, *static_args):
+    """`fun` (a `WrappedFun`) with one more transformation: `gen(f, *static_args, *args)`.
+
+    The result shares `fun`'s output stores, so JAX can reset them before a re-trace.
+    Its argument names are forgotten: the transformation may change their number.
+    """
+    return _lu.transformation2(gen)(fun, *static_args).with_unknown_names()
+
+
+def reset_stores(fun) -> None:
+    """Empty the output stores of a `WrappedFun`, so that it can be called again.
+
+    JAX does the same before re-tracing a custom rule (`jvp_jaxpr_thunk`).
+    """
+    for store in fun.stores:
+        if store is not None:
+            store.reset()
+
+
+mapped_aval = jex_core.mapped_aval
+separate_consts = _pe.separate_consts
+
+
+def merge_common_consts(jaxprs, all_consts):
+    """Give branches (consts already turned into leading inputs) one shared const list.
+
+    Returns the padded jaxprs (every branch takes every constant, in the same order)
+    and the de-duplicated constants: what `lax.cond` itself does before binding.
+    """
+    from jax._src.lax.control_flow.common import _merge_common_consts
+
+    return _merge_common_consts(jaxprs, all_consts)

@@ -62,6 +62,9 @@ class MaterializationEvent:
     shape: tuple[int, ...]
     dtype: Any
     source: str | None
+    # A specific explanation (e.g. "the carry of a scan changed structure"), warned
+    # instead of the standard "was not handled" text.
+    reason: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -75,6 +78,11 @@ _listeners: contextvars.ContextVar[tuple[Callable[[MaterializationEvent], None],
 )
 _recorders: contextvars.ContextVar[tuple[list, ...]] = contextvars.ContextVar(
     "qax_recorders", default=()
+)
+# Set while a body is traced that may be thrown away (a loop traced again with another
+# carry structure): its events are collected here and reported later with `replay`.
+_held: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "qax_held", default=None
 )
 
 def _package_dir(module: Any) -> str:
@@ -112,13 +120,31 @@ def _recording(into: list) -> Iterator[None]:
         _recorders.reset(token)
 
 
+@contextlib.contextmanager
+def holding_reports(into: list) -> Iterator[None]:
+    """Collect the events reported inside into `into` instead of reporting them.
+
+    Recorders opened inside still see them; the caller `replay`s the ones that count.
+    """
+    held, recorders = _held.set(into), _recorders.set(())
+    try:
+        yield
+    finally:
+        _recorders.reset(recorders)
+        _held.reset(held)
+
+
 def report(event: MaterializationEvent) -> None:
     for recorder in _recorders.get():
         recorder.append(event)
+    held = _held.get()
+    if held is not None:
+        held.append(event)
+        return
     for listener in _listeners.get():
         listener(event)
     if event.cls.warn_on_materialize:
-        message = _errors.MATERIALIZE_WARNING.format(
+        message = event.reason or _errors.MATERIALIZE_WARNING.format(
             primitive=event.primitive, cls=event.cls.__name__
         )
         warnings.warn(message, _errors.MaterializationWarning, stacklevel=_stacklevel())
