@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.extend.core as jex_core
 from jax._src import core as _core
+from jax._src import dtypes as _dtypes
 from jax._src import linear_util as _lu
 from jax._src import source_info_util as _source_info
 from jax._src.interpreters import partial_eval as _pe
@@ -49,7 +50,16 @@ def bind_with_trace(trace: Trace, primitive: Primitive, args, params):
     return primitive.bind_with_trace(trace, args, tuple(map(typeof, args)), params)
 
 
+def bind_leaves(trace: Trace, primitive: Primitive, leaves, params):
+    """`bind_with_trace` for the leaves of implicit arrays, which may be raw values.
 
+    Leaves built outside any trace (numpy arrays such as the shape witness, Python
+    scalars) are canonicalized first, as `Primitive.bind` would do.
+    """
+    leaves = [
+        x if isinstance(x, Tracer) else _dtypes.canonicalize_value(x) for x in leaves
+    ]
+    return bind_with_trace(trace, primitive, leaves, params)
 
 
 def user_source_line() -> str | None:
@@ -68,20 +78,26 @@ def register_exclusion(path: str) -> None:
     _source_info.register_exclusion(path)
 
 
+def forget_arg_names(debug_info: DebugInfo | None) -> DebugInfo | None:
+    """`debug_info` without argument names (for a function that now takes leaves)."""
+    return None if debug_info is None else debug_info.with_unknown_names()
+
+
 def make_debug_info(name: str) -> DebugInfo:
     return DebugInfo("qax", name, None, None)
 
-from jax._src.sharding_impls import UNSPECIFIED  # noqa: E402
+
+from jax._src.sharding_impls import UNSPECIFIED  # noqa: E402,F401
 
 shard_map_p = None
 try:  # noqa: SIM105
-    from jax._src.shard_map import shard_map_p  # noqa: E402,F811
+    from jax._src.shard_map import shard_map_p  # noqa: E402,F401,F811
 except ImportError:  # pragma: no cover
     pass
 
 # -- used by the higher-order rules (`qax/_higher_order.py`) ------------------------------
 from jax._src import ad_util as _ad_util  # noqa: E402
-from jax._src.tree_util import FlatTree  # noqa: E402
+from jax._src.tree_util import FlatTree  # noqa: E402,F401
 
 pvary_p = getattr(_core, "pvary_p", None)
 Zero = _ad_util.Zero

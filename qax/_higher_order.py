@@ -1,24 +1,28 @@
-"""Rules for primitives that carry a function or only annotate values.
+"""Rules for primitives that carry a function, and for those that only annotate values.
 
-Higher-order primitives (`jit`, `cond`, `scan`, `while`, `remat2`, `custom_jvp_call`,
-`custom_vjp_call`, `closed_call`, `shard_map`) hold a body written for dense arrays. Every
-rule here re-traces that body with `trace_body`: the body runs under a fresh
-`ImplicitTrace` on the implicit values, and is staged into a new jaxpr over their flat
-leaves. The primitive is then bound on the leaves, so implicit values cross it as their
-leaves and stay implicit; handlers inside the body apply as usual.
+Higher-order primitives (`jit`, `cond`, `scan`, `while`, `remat2`) hold a body written
+for dense arrays. Their rules re-trace that body with `trace_body`: the body runs under a
+fresh `ImplicitTrace` on the implicit values and is staged into a new jaxpr over their
+flat leaves; the primitive is then bound on the leaves. Implicit values thus cross the
+primitive as their leaves and stay implicit, and handlers apply inside the body.
 
-Where the body's outputs must share a structure (the branches of a `cond`, the carry of a
-loop), the outputs are brought to their largest common structure
-(`get_common_prefix_transforms`) before binding: only the parts that differ are
-materialized, with a warning that says why.
+Where outputs must share one structure (the branches of a `cond`, the carry of a loop
+before and after an iteration) they are brought to their largest common structure
+(`qax._structure`): only the parts that differ are materialized, with a warning that
+says why. None of these rules materializes anything otherwise.
+
+Primitives whose function JAX hands over as a `WrappedFun` (`custom_jvp_call`,
+`custom_vjp_call`, `call`/`closed_call`, `shard_map`) are rebound with that function
+wrapped to take and return flat leaves; custom derivative rules are kept.
 
 Primitives that only annotate or move a value (`pvary`, `sharding_constraint`, `name`,
-`optimization_barrier`, `copy`, `device_put`, `stop_gradient`) are applied to every leaf
-of an implicit operand and the implicit array is rebuilt around the results.
+`optimization_barrier`, `copy`, `device_put`, `stop_gradient`) are applied to the leaves
+of an implicit operand, and the implicit array is rebuilt around the results.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
 from collections.abc import Callable, Sequence
@@ -28,26 +32,25 @@ import jax
 import numpy as np
 
 from . import _dispatch
-from ._base import ImplicitBase, is_implicit, quiet_materialization
+from ._base import ImplicitBase, quiet_materialization
 from ._compat import (
     UNSPECIFIED,
     ClosedJaxpr,
     FlatTree,
-    ShapedArray,
     SymbolicZero,
     Tracer,
     Zero,
-    bind_with_trace,
+    bind_leaves,
     convert_constvars_jaxpr,
     current_trace,
     eval_jaxpr,
+    forget_arg_names,
     is_eval_trace,
     make_debug_info,
     mapped_aval,
     merge_common_consts,
     primitives_module,
     pvary_p,
-    reset_stores,
     separate_consts,
     set_current_trace,
     shard_map_p,
@@ -67,7 +70,7 @@ from ._interpreter import (
     report,
     structural_rules,
 )
-from ._tree_util import flatten_one_implicit_layer, tree_flatten_with_implicit
+from ._structure import common_structure_paths, describe, materialize_at, value_at
 
 # ----------------------------------------------------------------------------------------
 # Staging a body on implicit values
@@ -75,7 +78,7 @@ from ._tree_util import flatten_one_implicit_layer, tree_flatten_with_implicit
 
 @dataclasses.dataclass
 class TracedBody:
-    """A body staged with implicit inputs: call it on the flat input leaves.
+    """A body staged with implicit inputs, to be called on their flat leaves.
 
     Attributes:
       jaxpr: the staged body, over the flat leaves of the inputs.
@@ -87,10 +90,10 @@ class TracedBody:
     jaxpr: ClosedJaxpr
     out_tree: Any
     events: list
-    out_avals: list = dataclasses.field(default_factory=list)
+    out_avals: list
 
     def out_skeleton(self) -> list:
-        """The output values with avals in place of arrays (for comparing structures)."""
+        """The output values with avals in place of arrays (to compare structures)."""
         return jax.tree_util.tree_unflatten(self.out_tree, self.out_avals)
 
     @property
@@ -103,10 +106,13 @@ def flatten_values(vals: Sequence) -> tuple[list, Any]:
     return jax.tree_util.tree_flatten(list(vals))
 
 
+def _leaves(vals: Sequence) -> list:
+    return jax.tree_util.tree_leaves(list(vals))
+
+
 def _unwrap_all(trace: ImplicitTrace, outs: Sequence) -> list:
-    """Replace `trace`'s tracers by their values, also inside implicit values."""
-    outs = [trace.to_value(o) for o in outs]
-    return trace.unwrap_tree(outs)
+    """`trace`'s tracers replaced by their values, also inside implicit values."""
+    return trace.unwrap_tree([trace.to_value(o) for o in outs])
 
 
 def trace_body(
@@ -120,7 +126,7 @@ def trace_body(
 ) -> tuple[TracedBody, list]:
     """Stage `body` (run on wrapped implicit values) into a jaxpr over flat leaves.
 
-    This is the one re-tracing helper behind every rule in this module.
+    The one re-tracing helper behind the rules of this module.
 
     Args:
       trace: the trace whose primitive is being interpreted.
@@ -134,17 +140,16 @@ def trace_body(
         sub-trace) before they are flattened, e.g. to materialize some of them.
 
     Returns:
-      The staged body and the flat parent-level leaves to call it with.
+      The staged body, and the flat parent-level leaves to call it with.
     """
     flat_in, in_tree = flatten_values(in_vals)
     if in_avals is None:
         in_avals = [typeof(x) for x in flat_in]
-    out_tree_box = []
+    out_trees = []
 
     def flat_body(*leaves):
         sub = ImplicitTrace(current_trace(), trace.tag)
-        vals = jax.tree_util.tree_unflatten(in_tree, leaves)
-        wrapped = [sub.wrap(v) for v in vals]
+        wrapped = [sub.wrap(v) for v in jax.tree_util.tree_unflatten(in_tree, leaves)]
         with set_current_trace(sub):
             outs = body(wrapped)
         del wrapped
@@ -152,7 +157,7 @@ def trace_body(
         if fix_outs is not None:
             outs = fix_outs(outs)
         out_leaves, out_tree = jax.tree_util.tree_flatten(outs)
-        out_tree_box.append(out_tree)
+        out_trees.append(out_tree)
         return out_leaves
 
     events: list = []
@@ -160,204 +165,61 @@ def trace_body(
         jaxpr, out_avals, consts = trace_to_jaxpr_dynamic(
             wrap_init(flat_body, debug_info=make_debug_info(name)), list(in_avals)
         )
-    traced = TracedBody(ClosedJaxpr(jaxpr, consts), out_tree_box[-1], events, out_avals)
+    traced = TracedBody(ClosedJaxpr(jaxpr, consts), out_trees[-1], events, out_avals)
     return traced, flat_in
 
 
 def _jaxpr_body(closed: ClosedJaxpr) -> Callable[[list], list]:
-    def body(wrapped):
-        return eval_jaxpr(closed.jaxpr, closed.consts, *wrapped)
-
-    return body
+    return lambda wrapped: eval_jaxpr(closed.jaxpr, closed.consts, *wrapped)
 
 
 def _hoisted(traced: TracedBody) -> tuple[ClosedJaxpr, list]:
     """The body with its constants turned into leading inputs, and those constants.
 
-    Loops take their constants as operands: constants that are tracers of an outer
-    transformation (e.g. `grad`) then keep their derivatives.
+    Loops take their constants as operands, so that constants which are tracers of
+    an outer transformation keep their derivatives.
     """
-    jaxpr = traced.jaxpr
-    return ClosedJaxpr(convert_constvars_jaxpr(jaxpr.jaxpr), ()), list(jaxpr.consts)
-
-
-# Re-traced bodies, per original jaxpr, per input structure and handler generation.
-# Values never hold tracers (checked by `TracedBody.cacheable`).
-_body_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _cache_lookup(anchor: Any, key: tuple) -> Any:
-    return _body_cache.get(anchor, {}).get((*key, _dispatch.generation[0]))
-
-
-def _cache_store(anchor: Any, key: tuple, value: Any, traced: Sequence[TracedBody]) -> None:
-    if all(t.cacheable for t in traced):
-        _body_cache.setdefault(anchor, {})[(*key, _dispatch.generation[0])] = value
-
-
-def _signature(flat_in: Sequence, in_tree: Any) -> tuple:
-    return (in_tree, tuple(typeof(x) for x in flat_in))
-
-
-# ----------------------------------------------------------------------------------------
-# Common structure of several trees
-
-
-def _aval(x: Any) -> Any:
-    if isinstance(x, ShapedArray):
-        return x
-    return typeof(x)
-
-
-def _same_type(items: Sequence) -> bool:
-    """Whether `items` (dense leaves or implicit arrays) have one shape and dtype."""
-    first = items[0]
-    shape, dtype = tuple(np.shape(first) if not hasattr(first, "shape") else first.shape), (
-        first.dtype if hasattr(first, "dtype") else _aval(first).dtype
-    )
-    for x in items[1:]:
-        x_shape = tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
-        x_dtype = x.dtype if hasattr(x, "dtype") else _aval(x).dtype
-        if x_shape != shape or x_dtype != dtype:
-            return False
-    return True
-
-
-def _reconcile(group: Sequence, path: tuple, paths: set) -> bool:
-    """Mark in `paths` what must be materialized for `group` to share one structure.
-
-    `group` holds the values found at one position of every tree. Returns False if even
-    the dense versions differ in shape or dtype (the enclosing implicit array, if any,
-    must then be materialized).
-    """
-    implicit = [is_implicit(x) for x in group]
-    if not any(implicit):
-        return _same_type(group)
-    if all(implicit) and len({type(x) for x in group}) == 1:
-        opened = [flatten_one_implicit_layer(x) for x in group]
-        treedef = opened[0][1]
-        if all(t == treedef for _, t in opened[1:]):
-            children = [leaves for leaves, _ in opened]
-            if all(
-                [
-                    _reconcile(list(child_group), (*path, i), paths)
-                    for i, child_group in enumerate(zip(*children))
-                ]
-            ):
-                return True
-    paths.add(path)
-    return _same_type(group)
-
-
-def common_structure_paths(trees: Sequence) -> frozenset:
-    """The positions at which `trees` must be materialized to share one structure.
-
-    A position is a tuple of indices: the first indexes the leaves of
-    `tree_flatten_with_implicit(tree)`, the next ones the children of an implicit array
-    (one layer, as `flatten_one_implicit_layer` opens it).
-
-    Raises:
-      ValueError: if the trees differ even once fully materialized.
-    """
-    flat = [tree_flatten_with_implicit(t) for t in trees]
-    structure = flat[0][1]
-    for i, (_, other) in enumerate(flat[1:], 1):
-        if other != structure:
-            raise ValueError(
-                "These trees do not have the same structure even after materializing "
-                f"their implicit arrays: tree 0 is {structure}, tree {i} is {other}."
-            )
-    paths: set = set()
-    for i, group in enumerate(zip(*(leaves for leaves, _ in flat))):
-        if not _reconcile(list(group), (i,), paths):
-            described = ", ".join(_describe(x) for x in group)
-            raise ValueError(
-                f"Leaf {i} has different shapes or dtypes in these trees ({described}), "
-                "so no materialization can give them a common structure."
-            )
-    return frozenset(paths)
-
-
-def _describe(x: Any) -> str:
-    if is_implicit(x):
-        return f"{type(x).__name__}{list(x.shape)}:{np.dtype(x.dtype).name}"
-    return _aval(x).str_short()
-
-
-def materialize_at(tree: Any, paths: frozenset, densify: Callable[[Any, tuple], Any]) -> Any:
-    """Replace the implicit arrays at `paths` in `tree` by `densify(value, path)`."""
-    if not paths:
-        return tree
-    prefixes = {p[:n] for p in paths for n in range(1, len(p))}
-    leaves, treedef = tree_flatten_with_implicit(tree)
-
-    def visit(x: Any, path: tuple) -> Any:
-        if not is_implicit(x):
-            return x
-        if path in paths:
-            return densify(x, path)
-        if path not in prefixes:
-            return x
-        children, layer = flatten_one_implicit_layer(x)
-        new = [visit(c, (*path, i)) for i, c in enumerate(children)]
-        return jax.tree_util.tree_unflatten(layer, new)
-
-    return jax.tree_util.tree_unflatten(
-        treedef, [visit(x, (i,)) for i, x in enumerate(leaves)]
+    return (
+        ClosedJaxpr(convert_constvars_jaxpr(traced.jaxpr.jaxpr), ()),
+        list(traced.jaxpr.consts),
     )
 
 
-def get_common_prefix_transforms(trees: Sequence) -> list[Callable[[Any], Any]]:
-    """Functions that bring each of `trees` to their largest common structure.
+# Re-traced bodies and plans, per original jaxpr, per input signature and handler
+# generation. Nothing cached holds a tracer (see `TracedBody.cacheable`).
+_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    The trees must be equal once every implicit array in them is materialized (same
-    pytree structure, same shapes and dtypes). Where they differ (an implicit array in
-    one, a dense array or another implicit type in the other, or the same type with
-    different metadata or leaf shapes), the implicit arrays are materialized; where they
-    agree they stay implicit, also inside nested implicit arrays.
 
-    >>> a = [Zeros(shape=(3,)), jnp.ones(3)]
-    >>> b = [Zeros(shape=(3,)), Zeros(shape=(3,))]
-    >>> fa, fb = qax.utils.get_common_prefix_transforms([a, b])
-    >>> fb(b)  # [Zeros(shape=(3,)), Array([0., 0., 0.])]
+def _signature(vals: Sequence, *extra: Any) -> tuple:
+    flat, tree = flatten_values(vals)
+    return (*extra, tree, tuple(map(typeof, flat)), _dispatch.generation[0])
 
-    Args:
-      trees: pytrees in which implicit arrays may appear.
 
-    Returns:
-      One function per tree, mapping a tree of that structure to the common structure.
+def _cached(anchor: Any, key: tuple) -> Any:
+    return _cache.get(anchor, {}).get(key)
 
-    Raises:
-      ValueError: if the trees differ even once fully materialized.
-    """
-    trees = list(trees)
-    if len(trees) <= 1:
-        return [lambda x: x for _ in trees]
-    paths = common_structure_paths(trees)
 
-    def transform(tree: Any) -> Any:
-        return materialize_at(tree, paths, lambda x, _: materialize_nested(x, full=True))
-
-    return [transform for _ in trees]
+def _store(anchor: Any, key: tuple, value: Any, bodies: Sequence[TracedBody]) -> None:
+    if all(body.cacheable for body in bodies):
+        _cache.setdefault(anchor, {})[key] = value
 
 
 # ----------------------------------------------------------------------------------------
-# Materializing with a reason
+# Materializing, with a reason
 
 
 def _densify(value: ImplicitBase, primitive: str, reason: str | None) -> Any:
-    """Report and fully materialize `value`; runs with the value's own trace current."""
+    """Report and fully materialize `value` (its own trace must be current)."""
     if not quiet_materialization.get():
+        shape, dtype = tuple(value.shape), value.dtype
+        source = user_source_line()
         report(
-            MaterializationEvent(
-                primitive, type(value), tuple(value.shape), value.dtype,
-                user_source_line(), reason,
-            )
+            MaterializationEvent(primitive, type(value), shape, dtype, source, reason)
         )
     return materialize_nested(value, full=True)
 
 
-def _densify_parent(trace: ImplicitTrace, value: Any, primitive: str, reason=None) -> Any:
+def _densify_parent(trace: ImplicitTrace, value: Any, primitive: str, reason=None):
     """`_densify` for a parent-level value, from inside a rule."""
     if not isinstance(value, ImplicitBase):
         return value
@@ -365,12 +227,23 @@ def _densify_parent(trace: ImplicitTrace, value: Any, primitive: str, reason=Non
         return _densify(value, primitive, reason)
 
 
+def _quiet_dense(x: Any) -> Any:
+    """Materialize a value again, without reporting it (it was reported once)."""
+    if not isinstance(x, ImplicitBase):
+        return x
+    token = quiet_materialization.set(True)
+    try:
+        return materialize_nested(x, full=True)
+    finally:
+        quiet_materialization.reset(token)
+
+
 def _path_name(path: tuple) -> str:
     return "".join(f"[{i}]" for i in path)
 
 
 # ----------------------------------------------------------------------------------------
-# jit
+# Per-operand parameters and shardings
 
 
 def _per_leaf(values: Sequence, per_value: Sequence, leaf_param: Callable) -> tuple:
@@ -379,7 +252,7 @@ def _per_leaf(values: Sequence, per_value: Sequence, leaf_param: Callable) -> tu
     `leaf_param(param, value, leaf)` gives the entry for one leaf of an implicit value.
     """
     out = []
-    for v, p in zip(values, per_value):
+    for v, p in zip(values, per_value, strict=True):
         if isinstance(v, ImplicitBase):
             out.extend(leaf_param(p, v, leaf) for leaf in jax.tree_util.tree_leaves(v))
         else:
@@ -392,48 +265,39 @@ def _const(default: Any) -> Callable:
 
 
 def _spec_fits(spec: Any, value: ImplicitBase, leaf: Any) -> bool:
-    """Whether a leaf can take the partition `spec` meant for the represented array.
+    """Whether a leaf of `value` can be partitioned by the `spec` meant for `value`.
 
     It can when every partitioned dimension exists in the leaf with the size it has in
-    the represented array (the leaf is laid out like the array along those
-    dimensions, as the witness leaf always is).
+    the represented array: the leaf is laid out like the array along those dimensions,
+    as the zero-size shape witness always is. Partitioning such leaves the same way is
+    what JAX does with a pytree given one spec (and `vmap`/`scan` slice every leaf).
     """
-    shape = np.shape(leaf) if not hasattr(leaf, "shape") else tuple(leaf.shape)
+    shape = np.shape(leaf)
     if len(spec) > len(shape):
         return False
-    for d, axes in enumerate(spec):
-        if axes is not None and (d >= len(value.shape) or shape[d] != value.shape[d]):
-            return False
-    return True
+    return all(
+        axes is None or (d < len(value.shape) and shape[d] == value.shape[d])
+        for d, axes in enumerate(spec)
+    )
 
 
 def _leaf_sharding(sharding: Any, value: ImplicitBase, leaf: Any, fallback: Any) -> Any:
-    """The sharding a leaf of `value` gets when `value` is given `sharding`.
+    """The sharding for a leaf of `value` when `value` is given `sharding`.
 
-    Like JAX does for a pytree given one sharding, each leaf gets the same sharding;
-    a leaf that cannot be partitioned that way (a LoRA factor whose dimensions do not
-    match the represented array's) gets `fallback` instead.
+    Each leaf gets `sharding` itself, like the leaves of a pytree given one sharding;
+    a leaf that cannot be partitioned that way (a LoRA factor whose dimensions are not
+    those of the weight) gets `fallback`.
     """
     if sharding is None or sharding is UNSPECIFIED:
         return sharding
     spec = getattr(sharding, "spec", None)
     if spec is not None:
         return sharding if _spec_fits(spec, value, leaf) else fallback
-    if getattr(sharding, "is_fully_replicated", False):
-        return sharding
-    return fallback
+    return sharding if getattr(sharding, "is_fully_replicated", False) else fallback
 
 
-def _jit_body(trace, closed, vals, name) -> tuple[TracedBody, list]:
-    flat_in, in_tree = flatten_values(vals)
-    key = _signature(flat_in, in_tree)
-    hit = _cache_lookup(closed, key)
-    if hit is not None:
-        replay(hit.events)
-        return hit, flat_in
-    traced, flat_in = trace_body(trace, _jaxpr_body(closed), vals, name)
-    _cache_store(closed, key, traced, [traced])
-    return traced, flat_in
+# ----------------------------------------------------------------------------------------
+# jit
 
 
 def _jit_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list:
@@ -444,11 +308,17 @@ def _jit_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list
             outs = eval_jaxpr(closed.jaxpr, closed.consts, *map(trace.wrap, vals))
         return _unwrap_all(trace, outs)
 
-    traced, flat_in = _jit_body(trace, closed, vals, params.get("name", "jit"))
-    out_vals = jax.tree_util.tree_unflatten(traced.out_tree, traced.out_avals)
+    key = _signature(vals)
+    traced = _cached(closed, key)
+    if traced is None:
+        traced, _ = trace_body(trace, _jaxpr_body(closed), vals, params["name"])
+        _store(closed, key, traced, [traced])
+    else:
+        replay(traced.events)
+    out_vals = traced.out_skeleton()
 
-    def sharding(p, v, leaf):
-        return _leaf_sharding(p, v, leaf, UNSPECIFIED)
+    def sharding(p, value, leaf):
+        return _leaf_sharding(p, value, leaf, UNSPECIFIED)
 
     new_params = dict(
         params,
@@ -459,110 +329,93 @@ def _jit_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list
         out_shardings=_per_leaf(out_vals, params["out_shardings"], sharding),
         out_layouts=_per_leaf(out_vals, params["out_layouts"], _const(None)),
     )
-    outs = bind_with_trace(trace.parent_trace, primitive, flat_in, new_params)
+    outs = bind_leaves(trace.parent_trace, primitive, _leaves(vals), new_params)
     return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 
 
 # ----------------------------------------------------------------------------------------
-# cond / switch
+# cond and switch
 
 _COND_REASON = (
     "The branches of a `lax.cond`/`lax.switch` return different implicit structures "
-    "for output {path} ({described}); this {cls} is materialized so that all branches "
-    "return the same structure."
+    "for output {path} ({described}); this {cls} is materialized so that every branch "
+    "returns the same structure."
 )
+
+
+@dataclasses.dataclass
+class _CondPlan:
+    """The re-traced branches, with their constants shared (as `lax.cond` does)."""
+
+    out_tree: Any
+    branches: tuple
+    consts: list
+    events: list
 
 
 def _cond_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list:
     index, *ops = vals
     index = _densify_parent(trace, index, primitive.name)
     branches = params["branches"]
-    flat_in, in_tree = flatten_values(ops)
-    key = _signature(flat_in, in_tree)
-    plan = _cache_lookup(branches[0], (branches, *key))
+    key = _signature(ops, branches[1:])
+    plan = _cached(branches[0], key)
     if plan is None:
-        plan = _plan_cond(trace, branches, ops)
-        _cache_store(branches[0], (branches, *key), plan, plan.traced)
+        plan, traced = _plan_cond(trace, branches, ops)
+        _store(branches[0], key, plan, traced)
     else:
         replay(plan.events)
-    jaxprs, consts = plan.jaxprs, plan.consts
-    outs = bind_with_trace(
+    outs = bind_leaves(
         trace.parent_trace,
         primitive,
-        [index, *consts, *flat_in],
-        dict(params, branches=tuple(jaxprs)),
+        [index, *plan.consts, *_leaves(ops)],
+        dict(params, branches=plan.branches),
     )
-    return jax.tree_util.tree_unflatten(plan.traced[0].out_tree, outs)
+    return jax.tree_util.tree_unflatten(plan.out_tree, outs)
 
 
-@dataclasses.dataclass
-class _CondPlan:
-    traced: list
-    jaxprs: list
-    consts: list
-    events: list
+def _plan_cond(trace: ImplicitTrace, branches: Sequence, ops: list):
+    """Re-trace every branch, materializing outputs whose structures differ.
 
-
-def _plan_cond(trace, branches, ops) -> _CondPlan:
+    Returns the plan and the staged branches.
+    """
     traced = [
-        trace_body(trace, _jaxpr_body(b), ops, f"branch{i}")[0] for i, b in enumerate(branches)
+        trace_body(trace, _jaxpr_body(b), ops, f"branch{i}")[0]
+        for i, b in enumerate(branches)
     ]
     events = [e for t in traced for e in t.events]
     skeletons = [t.out_skeleton() for t in traced]
     paths = common_structure_paths(skeletons)
     if paths:
+
+        def densify(x, path):
+            described = " vs. ".join(describe(value_at(s, path)) for s in skeletons)
+            reason = _COND_REASON.format(
+                path=_path_name(path), described=described, cls=type(x).__name__
+            )
+            return _densify(x, "cond", reason)
+
+        def fix(outs):
+            return materialize_at(outs, paths, densify)
+
         held: list = []
         with holding_reports(held):
             for i, branch in enumerate(branches):
-                if _has_implicit_at(skeletons[i], paths):
-                    fix = _cond_fix(paths, skeletons)
-                    traced[i] = trace_body(
+                if any(
+                    isinstance(value_at(skeletons[i], p), ImplicitBase) for p in paths
+                ):
+                    traced[i], _ = trace_body(
                         trace, _jaxpr_body(branch), ops, f"branch{i}", fix_outs=fix
-                    )[0]
-        new = [e for e in held if e not in events]
-        replay(new)
-        events += new
-    out_trees = {t.out_tree for t in traced}
-    avals = [[(a.shape, a.dtype) for a in t.out_avals] for t in traced]
-    if len(out_trees) != 1 or any(a != avals[0] for a in avals[1:]):  # pragma: no cover
-        raise AssertionError(f"cond branches still differ after reconciling: {avals}")
+                    )
+        new_events = [e for e in held if e not in events]
+        replay(new_events)
+        events += new_events
     split = [separate_consts(t.jaxpr) for t in traced]
     jaxprs, consts = merge_common_consts([j for j, _ in split], [c for _, c in split])
-    return _CondPlan(traced, list(jaxprs), list(consts), events)
-
-
-def _has_implicit_at(tree, paths) -> bool:
-    found = []
-    materialize_at(tree, paths, lambda x, p: found.append(p) or x)
-    return bool(found)
-
-
-def _cond_fix(paths, skeletons) -> Callable[[list], list]:
-    def densify(x, path):
-        described = " vs. ".join(
-            _describe(_at_path(s, path)) if _at_path(s, path) is not None else "?"
-            for s in skeletons
-        )
-        reason = _COND_REASON.format(
-            path=_path_name(path), described=described, cls=type(x).__name__
-        )
-        return _densify(x, "cond", reason)
-
-    return lambda outs: materialize_at(outs, paths, densify)
-
-
-def _at_path(tree: Any, path: tuple) -> Any:
-    leaves, _ = tree_flatten_with_implicit(tree)
-    x = leaves[path[0]]
-    for i in path[1:]:
-        if not is_implicit(x):
-            return x
-        x = flatten_one_implicit_layer(x)[0][i]
-    return x
+    return _CondPlan(traced[0].out_tree, tuple(jaxprs), list(consts), events), traced
 
 
 # ----------------------------------------------------------------------------------------
-# Loops: scan and while share the search for a stable carry structure
+# Loops: scan and while share the search for a carry structure that the body preserves
 
 _CARRY_REASON = (
     "The carry {path} of a `{loop}` enters the loop as {before} but the loop body "
@@ -571,179 +424,184 @@ _CARRY_REASON = (
 )
 _XS_REASON = (
     "`lax.scan` slices `xs` along its leading axis, but this {cls} has a leaf of shape "
-    "{leaf_shape} that does not have the scanned length {length} as its leading "
-    "dimension, so it is materialized before the loop."
+    "{leaf_shape} whose leading dimension is not the scanned length {length}, so it "
+    "is materialized before the loop."
 )
-_PRED_REASON = (
-    "The predicate of a `lax.while_loop` must be a concrete boolean, but the loop's "
-    "`cond_fun` returned an implicit {cls}; it is materialized."
+_PREDICATE_REASON = (
+    "The predicate of a `lax.while_loop` must be a plain boolean, but its `cond_fun` "
+    "returned an implicit {cls}, which is materialized."
 )
 _MAX_ATTEMPTS = 64
 
 
-def _weak_fixes(in_avals: Sequence, out_avals: Sequence) -> tuple[set, set]:
-    """Carry leaves whose weak type differs: (to strengthen in the init, in the body)."""
-    init_side, body_side = set(), set()
-    for i, (a, b) in enumerate(zip(in_avals, out_avals)):
-        if a.weak_type and not b.weak_type:
-            init_side.add(i)
-        elif b.weak_type and not a.weak_type:
-            body_side.add(i)
-    return init_side, body_side
+@dataclasses.dataclass
+class _LoopPlan:
+    """How a loop runs on implicit carries, and its body staged accordingly.
+
+    `paths` are materialized in the carry (before the loop and at the end of each
+    iteration); `weak_init`/`weak_body` index carry leaves given a strong type before
+    the loop / at the end of each iteration; `described` says what each path was.
+    """
+
+    paths: frozenset = frozenset()
+    weak_init: frozenset = frozenset()
+    weak_body: frozenset = frozenset()
+    described: dict = dataclasses.field(default_factory=dict)
+    traced: TracedBody | None = None
 
 
-def _strengthen(leaves: list, which: set) -> list:
+def _strengthen(leaves: list, which: frozenset) -> list:
+    if not which:
+        return leaves
     return [
-        jax.lax.convert_element_type(x, _aval(x).dtype) if i in which else x
+        jax.lax.convert_element_type(x, typeof(x).dtype) if i in which else x
         for i, x in enumerate(leaves)
     ]
 
 
-@dataclasses.dataclass
-class _LoopPlan:
-    """How to run a loop body on implicit carries.
-
-    `paths` and `weak_init` say how the initial carry is changed before the loop;
-    `traced` is the body for the changed carry; `events` what staging it reported.
-    """
-
-    paths: frozenset
-    weak_init: frozenset
-    traced: TracedBody
-    events: list
-
-
-def _prepare_carry(trace, init: list, plan_paths, weak_init, loop: str, cls_info) -> list:
-    """Apply a loop plan to the initial carry (at the parent level)."""
-
-    def densify(x, path):
-        before, after = cls_info.get(path, (_describe(x), "a different structure"))
+def _carry_densifier(plan: _LoopPlan, loop: str, where: str, densify: Callable):
+    def densify_path(x, path):
+        before, after = plan.described.get(path, (describe(x), "another structure"))
         reason = _CARRY_REASON.format(
-            path=_path_name(path), loop=loop, before=before, after=after,
-            cls=type(x).__name__, where="before the loop",
+            path=_path_name(path),
+            loop=loop,
+            before=before,
+            after=after,
+            cls=type(x).__name__,
+            where=where,
         )
-        return _densify_parent(trace, x, loop, reason)
+        return densify(x, reason)
 
-    init = materialize_at(init, plan_paths, densify)
-    if weak_init:
-        leaves, tree = jax.tree_util.tree_flatten(init)
+    return densify_path
+
+
+def _prepare_carry(trace, init: list, plan: _LoopPlan, loop: str) -> list:
+    """The initial carry changed as `plan` says (at the parent level)."""
+    densify = _carry_densifier(
+        plan,
+        loop,
+        "before the loop",
+        lambda x, reason: _densify_parent(trace, x, loop, reason),
+    )
+    carry = materialize_at(init, plan.paths, densify)
+    if plan.weak_init:
+        leaves, tree = jax.tree_util.tree_flatten(carry)
         with set_current_trace(trace.parent_trace):
-            leaves = _strengthen(leaves, weak_init)
-        init = jax.tree_util.tree_unflatten(tree, leaves)
-    return init
+            leaves = _strengthen(leaves, plan.weak_init)
+        carry = jax.tree_util.tree_unflatten(tree, leaves)
+    return carry
 
 
-def _plan_loop(
-    trace: ImplicitTrace,
-    body: Callable[[list], Sequence],
-    consts: list,
-    init: list,
-    xs: list,
-    slice_xs: Callable[[list], list],
-    loop: str,
-) -> tuple[_LoopPlan, list]:
-    """Find the carry structure that the loop body preserves, and stage the body.
-
-    The body is traced with the current carry structure. If the carry it returns has
-    another structure (or another weak type), the differing parts are materialized, in
-    the initial carry and in the body's output, and the body is traced again, until the
-    structure is stable. Returns the plan and the (changed) initial carry.
-    """
-    n_carry = len(init)
-    paths: frozenset = frozenset()
-    weak_init: frozenset = frozenset()
-    weak_body: frozenset = frozenset()
-    described: dict = {}
-    first_events: list | None = None
-    held: list = []
-    for _attempt in range(_MAX_ATTEMPTS):
-        carry = _prepare_carry(trace, init, paths, weak_init, loop, described)
-        in_vals = [*consts, *carry, *xs]
-        flat_in, _ = flatten_values(in_vals)
-        n_before_xs = len(flat_in) - len(flatten_values(xs)[0])
-        in_avals = [typeof(x) for x in flat_in[:n_before_xs]]
-        in_avals += slice_xs(flat_in[n_before_xs:])
-        fix = _carry_fix(paths, weak_body, n_carry, loop, described)
-        if first_events is None:
-            traced, _ = trace_body(trace, body, in_vals, loop, in_avals=in_avals, fix_outs=fix)
-            first_events = traced.events
-        else:
-            with holding_reports(held):
-                traced, _ = trace_body(
-                    trace, body, in_vals, loop, in_avals=in_avals, fix_outs=fix
-                )
-        out_skeleton = traced.out_skeleton()[:n_carry]
-        in_skeleton = jax.tree_util.tree_map(_aval, carry)
-        new_paths = common_structure_paths([in_skeleton, out_skeleton])
-        n_const_leaves = len(flatten_values(consts)[0])
-        n_carry_leaves = len(flatten_values(carry)[0])
-        carry_in_avals = in_avals[n_const_leaves : n_const_leaves + n_carry_leaves]
-        carry_out_avals = traced.out_avals[:n_carry_leaves]
-        new_weak_init, new_weak_body = (set(), set())
-        if not new_paths:
-            new_weak_init, new_weak_body = _weak_fixes(carry_in_avals, carry_out_avals)
-        if not new_paths and not new_weak_init and not new_weak_body:
-            break
-        for p in new_paths:
-            described[p] = (
-                _describe(_at_path(in_skeleton, p)),
-                _describe(_at_path(out_skeleton, p)),
-            )
-        paths |= new_paths
-        # Leaf indices refer to the carry of this attempt; a structure change re-numbers
-        # them, so weak-type fixes are only collected once the structure is stable.
-        weak_init |= new_weak_init
-        weak_body |= new_weak_body
-    else:  # pragma: no cover (each attempt materializes more, so this terminates)
-        raise RuntimeError(f"Could not find a stable carry structure for `{loop}`.")
-    new = [e for e in held if e not in first_events]
-    replay(new)
-    events = list(first_events) + new
-    plan = _LoopPlan(paths, weak_init, traced, events)
-    return plan, carry
-
-
-def _carry_fix(paths, weak_body, n_carry, loop, described) -> Callable | None:
-    if not paths and not weak_body:
+def _carry_fix(plan: _LoopPlan, n_carry: int, loop: str) -> Callable | None:
+    """The change of the body's output carry that `plan` says (inside the body)."""
+    if not plan.paths and not plan.weak_body:
         return None
-
-    def densify(x, path):
-        before, after = described.get(path, ("?", _describe(x)))
-        reason = _CARRY_REASON.format(
-            path=_path_name(path), loop=loop, before=before, after=after,
-            cls=type(x).__name__, where="at the end of each iteration",
-        )
-        return _densify(x, loop, reason)
+    densify = _carry_densifier(
+        plan,
+        loop,
+        "at the end of each iteration",
+        lambda x, reason: _densify(x, loop, reason),
+    )
 
     def fix(outs):
-        carry = materialize_at(list(outs[:n_carry]), paths, densify)
-        if weak_body:
-            leaves, tree = jax.tree_util.tree_flatten(carry)
-            carry = jax.tree_util.tree_unflatten(tree, _strengthen(leaves, weak_body))
+        carry = materialize_at(list(outs[:n_carry]), plan.paths, densify)
+        leaves, tree = jax.tree_util.tree_flatten(carry)
+        carry = jax.tree_util.tree_unflatten(tree, _strengthen(leaves, plan.weak_body))
         return [*carry, *outs[n_carry:]]
 
     return fix
 
 
-def _loop_key(consts, init, xs) -> tuple:
-    flat, tree = flatten_values([*consts, *init, *xs])
-    return (len(consts), len(init), *_signature(flat, tree))
+def _carry_changes(carry: list, traced: TracedBody) -> tuple[frozenset, dict, set, set]:
+    """How the carry returned by `traced` differs from `carry`.
+
+    Returns the paths to materialize (with descriptions), or, when the structures
+    agree, the carry leaves whose weak type differs (to strengthen in the initial
+    carry, and in the body's output).
+    """
+    before = jax.tree_util.tree_map(typeof, carry)
+    after = traced.out_skeleton()[: len(carry)]
+    paths = common_structure_paths([before, after])
+    if paths:
+        described = {
+            p: (describe(value_at(before, p)), describe(value_at(after, p)))
+            for p in paths
+        }
+        return paths, described, set(), set()
+    weak_init, weak_body = set(), set()
+    in_avals = jax.tree_util.tree_leaves(before)
+    for i, (a, b) in enumerate(zip(in_avals, traced.out_avals, strict=False)):
+        if a.weak_type and not b.weak_type:
+            weak_init.add(i)
+        elif b.weak_type and not a.weak_type:
+            weak_body.add(i)
+    return paths, {}, weak_init, weak_body
 
 
-def _loop_plan(trace, anchor, extra_key, body, consts, init, xs, slice_xs, loop):
-    key = (*extra_key, *_loop_key(consts, init, xs))
-    plan = _cache_lookup(anchor, key)
-    if plan is not None:
-        carry = _prepare_carry(trace, init, plan.paths, plan.weak_init, loop, {})
-        replay(plan.events)
-        return plan, carry
-    plan, carry = _plan_loop(trace, body, consts, init, xs, slice_xs, loop)
-    _cache_store(anchor, key, plan, [plan.traced])
+def _plan_loop(trace, body, consts, init, xs, slice_xs, loop) -> tuple[_LoopPlan, list]:
+    """Find the carry structure that the loop body preserves, and stage the body.
+
+    The body is traced with the carry's structure. If the carry it returns has another
+    structure (or another weak type), the parts that differ are materialized, in the
+    initial carry and in the body's output, and the body is traced again, until the
+    structure is stable. Attempts after the first hold their reports; those of the
+    final attempt that the first did not make are reported at the end.
+
+    Returns the plan and the initial carry changed as it says.
+    """
+    plan = _LoopPlan()
+    first_events = None
+    for attempt in range(_MAX_ATTEMPTS):
+        held: list = []
+        with holding_reports(held) if attempt else contextlib.nullcontext():
+            carry = _prepare_carry(trace, init, plan, loop)
+            in_vals = [*consts, *carry, *xs]
+            flat_in = _leaves(in_vals)
+            n_xs = len(_leaves(xs))
+            in_avals = [*map(typeof, flat_in[: len(flat_in) - n_xs])]
+            in_avals += slice_xs(flat_in[len(flat_in) - n_xs :])
+            traced, _ = trace_body(
+                trace,
+                body,
+                in_vals,
+                loop,
+                in_avals=in_avals,
+                fix_outs=_carry_fix(plan, len(init), loop),
+            )
+        if first_events is None:
+            first_events = traced.events
+        paths, described, weak_init, weak_body = _carry_changes(carry, traced)
+        if not (paths or weak_init or weak_body):
+            break
+        plan = dataclasses.replace(
+            plan,
+            paths=plan.paths | paths,
+            described={**plan.described, **described},
+            weak_init=plan.weak_init | weak_init,
+            weak_body=plan.weak_body | weak_body,
+        )
+    else:  # pragma: no cover (every attempt materializes more, so this terminates)
+        raise RuntimeError(f"Found no stable carry structure for `{loop}`.")
+    replay([e for e in held if e not in first_events])
+    plan.traced = traced
     return plan, carry
 
 
-def _check_scannable(trace, x: Any, length: int) -> Any:
-    """Materialize an implicit `xs` whose leaves are not all stacked along axis 0."""
+def _loop(trace, anchor, extra_key, body, consts, init, xs, slice_xs, loop):
+    """`_plan_loop`, cached: a cached plan is applied to the initial carry again."""
+    key = _signature([*consts, *init, *xs], len(consts), len(init), *extra_key)
+    plan = _cached(anchor, key)
+    if plan is not None:
+        carry = _prepare_carry(trace, init, plan, loop)
+        replay(plan.traced.events)
+        return plan, carry
+    plan, carry = _plan_loop(trace, body, consts, init, xs, slice_xs, loop)
+    _store(anchor, key, plan, [plan.traced])
+    return plan, carry
+
+
+def _scannable(trace, x: Any, length: int) -> Any:
+    """`x`, materialized if it is implicit and not every leaf is stacked along axis 0."""
     if not isinstance(x, ImplicitBase):
         return x
     for leaf in jax.tree_util.tree_leaves(x):
@@ -757,33 +615,32 @@ def _check_scannable(trace, x: Any, length: int) -> Any:
 
 
 def _scan_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list:
-    n_consts, n_carry, length = params["num_consts"], params["num_carry"], params["length"]
-    consts, init, xs = vals[:n_consts], vals[n_consts : n_consts + n_carry], vals[n_consts + n_carry :]
-    xs = [_check_scannable(trace, x, length) for x in xs]
+    n_consts, n_carry, length = (
+        params["num_consts"],
+        params["num_carry"],
+        params["length"],
+    )
+    consts = vals[:n_consts]
+    init = vals[n_consts : n_consts + n_carry]
+    xs = [_scannable(trace, x, length) for x in vals[n_consts + n_carry :]]
     closed = params["jaxpr"]
 
     def slice_xs(leaves):
         return [mapped_aval(length, 0, typeof(x)) for x in leaves]
 
-    plan, carry = _loop_plan(
+    plan, carry = _loop(
         trace, closed, (), _jaxpr_body(closed), consts, init, xs, slice_xs, "lax.scan"
     )
     jaxpr, hoisted = _hoisted(plan.traced)
-    flat_consts = flatten_values(consts)[0]
-    flat_carry = flatten_values(carry)[0]
-    flat_xs = flatten_values(xs)[0]
+    flat_consts, flat_carry = _leaves(consts), _leaves(carry)
     new_params = dict(
         params,
         jaxpr=jaxpr,
         num_consts=len(hoisted) + len(flat_consts),
         num_carry=len(flat_carry),
     )
-    outs = bind_with_trace(
-        trace.parent_trace,
-        primitive,
-        [*hoisted, *flat_consts, *flat_carry, *flat_xs],
-        new_params,
-    )
+    operands = [*hoisted, *flat_consts, *flat_carry, *_leaves(xs)]
+    outs = bind_leaves(trace.parent_trace, primitive, operands, new_params)
     return jax.tree_util.tree_unflatten(plan.traced.out_tree, outs)
 
 
@@ -793,7 +650,7 @@ def _while_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> li
     body_consts = vals[n_cond : n_cond + n_body]
     init = vals[n_cond + n_body :]
     body_jaxpr, cond_jaxpr = params["body_jaxpr"], params["cond_jaxpr"]
-    plan, carry = _loop_plan(
+    plan, carry = _loop(
         trace,
         body_jaxpr,
         (cond_jaxpr,),
@@ -804,28 +661,24 @@ def _while_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> li
         lambda leaves: [],
         "lax.while_loop",
     )
-    n_cond_vals = len(cond_consts)
 
-    def predicate_fix(outs):
+    def plain_predicate(outs):
         (pred,) = outs
         if isinstance(pred, ImplicitBase):
-            reason = _PRED_REASON.format(cls=type(pred).__name__)
+            reason = _PREDICATE_REASON.format(cls=type(pred).__name__)
             pred = _densify(pred, "while", reason)
         return [pred]
 
-    cond_traced, cond_flat_in = trace_body(
+    cond_traced, _ = trace_body(
         trace,
-        lambda wrapped: _jaxpr_body(cond_jaxpr)(wrapped),
+        _jaxpr_body(cond_jaxpr),
         [*cond_consts, *carry],
-        "while_cond",
-        fix_outs=predicate_fix,
+        "cond_fun",
+        fix_outs=plain_predicate,
     )
-    del n_cond_vals
     body, body_hoisted = _hoisted(plan.traced)
     cond, cond_hoisted = _hoisted(cond_traced)
-    flat_cond_consts = flatten_values(cond_consts)[0]
-    flat_body_consts = flatten_values(body_consts)[0]
-    flat_carry = flatten_values(carry)[0]
+    flat_cond_consts, flat_body_consts = _leaves(cond_consts), _leaves(body_consts)
     new_params = dict(
         params,
         body_jaxpr=body,
@@ -833,151 +686,161 @@ def _while_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> li
         body_nconsts=len(body_hoisted) + len(flat_body_consts),
         cond_nconsts=len(cond_hoisted) + len(flat_cond_consts),
     )
-    outs = bind_with_trace(
-        trace.parent_trace,
-        primitive,
-        [
-            *cond_hoisted, *flat_cond_consts,
-            *body_hoisted, *flat_body_consts,
-            *flat_carry,
-        ],
-        new_params,
-    )
+    operands = [
+        *cond_hoisted,
+        *flat_cond_consts,
+        *body_hoisted,
+        *flat_body_consts,
+        *_leaves(carry),
+    ]
+    outs = bind_leaves(trace.parent_trace, primitive, operands, new_params)
     return jax.tree_util.tree_unflatten(plan.traced.out_tree, outs)
 
 
 # ----------------------------------------------------------------------------------------
-# remat
+# checkpoint / remat
 
 
 def _remat_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list:
     jaxpr = params["jaxpr"]  # an open Jaxpr without constvars
-    flat_in, in_tree = flatten_values(vals)
-    key = _signature(flat_in, in_tree)
-    traced = _cache_lookup(jaxpr, key)
+    key = _signature(vals)
+    traced = _cached(jaxpr, key)
     if traced is None:
 
         def body(wrapped):
             return eval_jaxpr(jaxpr, (), *wrapped)
 
         traced, _ = trace_body(trace, body, vals, "checkpoint")
-        _cache_store(jaxpr, key, traced, [traced])
+        _store(jaxpr, key, traced, [traced])
     else:
         replay(traced.events)
     body_jaxpr, hoisted = _hoisted(traced)
     prevent_cse = params["prevent_cse"]
     if isinstance(prevent_cse, tuple):
-        prevent_cse = (True,) * len(hoisted) + _per_leaf(
-            vals, prevent_cse, lambda p, _v, _leaf: p
-        )
+        per_leaf = _per_leaf(vals, prevent_cse, lambda p, _v, _leaf: p)
+        prevent_cse = (True,) * len(hoisted) + per_leaf
     new_params = dict(params, jaxpr=body_jaxpr.jaxpr, prevent_cse=prevent_cse)
-    outs = bind_with_trace(trace.parent_trace, primitive, [*hoisted, *flat_in], new_params)
+    operands = [*hoisted, *_leaves(vals)]
+    outs = bind_leaves(trace.parent_trace, primitive, operands, new_params)
     return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 
 
 # ----------------------------------------------------------------------------------------
-# Call primitives and custom derivatives: the function is wrapped, not re-staged here
-
-
-def _has_implicit(vals) -> bool:
-    return any(isinstance(v, ImplicitBase) for v in vals)
-
-
-class _OutInfo:
-    """What the wrapped function and its rule agreed on about the outputs.
-
-    Holds tree structures and flags only, never tracers.
-    """
-
-    def __init__(self):
-        self.tree = None
-        # Per output, once decided: (kept implicit, number of leaves, represented aval).
-        self.outs = None
-        self.res_tree = None
-
-    @property
-    def implicit(self) -> list | None:
-        return None if self.outs is None else [keep for keep, _, _ in self.outs]
-
-    def decide(self, outs: list) -> None:
-        self.tree = jax.tree_util.tree_structure(outs)
-        self.outs = [
-            (isinstance(o, ImplicitBase), len(jax.tree_util.tree_leaves(o)), _value_aval(o))
-            for o in outs
-        ]
-
-
-def _value_aval(x: Any) -> Any:
-    return x.aval if isinstance(x, ImplicitBase) else _aval(x)
-
+# Functions handed over as WrappedFuns: call, custom_jvp, custom_vjp
+#
+# These rules wrap the function (and its derivative rules) to work on flat leaves and
+# rebind the primitive; the wrappers run later, maybe more than once, maybe not at
+# all, depending on the parent trace. What they agree on about the outputs lives in an
+# `_Outputs` record shared by the wrappers of one call.
 
 _SETTLE_REASON = (
     "`{name}` has a custom derivative rule and was called on implicit arrays; its "
-    "output {index} came out as an implicit {cls} that holds differentiable data, which "
-    "the rule cannot give tangents for, so it is materialized."
+    "output {index} is an implicit {cls} holding differentiable data, for which the "
+    "rule cannot give tangents, so it is materialized."
 )
 
 
+class _Outputs:
+    """Output structure decided by whichever wrapper runs first (no tracers here)."""
+
+    def __init__(self):
+        self.tree = None
+        self.kept = None  # per output: stays implicit
+        self.avals = None  # per output: the represented aval
+        self.sizes = None  # per output: number of leaves
+        self.res_tree = None  # custom_vjp: structure of the residuals
+
+    def decide(self, outs: list) -> None:
+        self.tree = jax.tree_util.tree_structure(outs)
+        self.kept = [isinstance(o, ImplicitBase) for o in outs]
+        self.avals = [
+            o.aval if isinstance(o, ImplicitBase) else typeof(o) for o in outs
+        ]
+        self.sizes = [len(jax.tree_util.tree_leaves(o)) for o in outs]
+
+
+def _has_implicit(vals: Sequence) -> bool:
+    return any(isinstance(v, ImplicitBase) for v in vals)
+
+
+def _fun_name(fun: Any) -> str:
+    info = getattr(fun, "debug_info", None)
+    return getattr(info, "func_name", None) or getattr(fun, "__name__", "function")
+
+
+def _enter(tag, vals: Sequence) -> tuple[ImplicitTrace, list]:
+    """A sub-trace of the current trace, and `vals` wrapped into it."""
+    sub = ImplicitTrace(current_trace(), tag)
+    return sub, [sub.wrap(v) for v in vals]
+
+
 def _differentiable(value: ImplicitBase) -> bool:
-    for leaf in jax.tree_util.tree_leaves(value):
-        aval = _aval(leaf)
-        if np.prod(aval.shape, dtype=np.int64) > 0 and jax.numpy.issubdtype(
-            aval.dtype, jax.numpy.inexact
-        ):
-            return True
-    return False
+    return any(
+        np.size(leaf) > 0
+        and jax.numpy.issubdtype(typeof(leaf).dtype, jax.numpy.inexact)
+        for leaf in jax.tree_util.tree_leaves(value)
+    )
 
 
-def _settle(outs: list, name: str, quiet: bool) -> list:
+def _settle(outs: list, name: str, primitive: str) -> list:
     """Materialize the outputs of a custom-derivative function that must be dense.
 
-    An implicit output without differentiable data (a symbolic zero, an integer-valued
-    type) stays implicit: its tangent is zero, whatever the rule says. Any other
-    implicit output is materialized, so that the custom rule's tangent for it applies.
+    An implicit output without differentiable data (a symbolic zero) stays implicit:
+    its tangent is zero, whatever the rule says. Any other implicit output is
+    materialized, so that the rule's tangent for it applies.
     """
     settled = []
     for i, o in enumerate(outs):
         if isinstance(o, ImplicitBase) and _differentiable(o):
             reason = _SETTLE_REASON.format(name=name, index=i, cls=type(o).__name__)
-            if quiet:
-                o = materialize_nested(o, full=True)
-            else:
-                o = _densify(o, "custom_jvp_call", reason)
+            o = _densify(o, primitive, reason)
         settled.append(o)
     return settled
 
 
-def _fun_name(fun) -> str:
-    info = getattr(fun, "debug_info", None)
-    return getattr(info, "func_name", None) or getattr(fun, "__name__", "function")
+def _decided_primal_leaves(info: _Outputs, primals_out: list, name: str) -> list:
+    """Leaves of a rule's primal outputs, in the structure the function's outputs have."""
+    settled = [
+        p if kept else _quiet_dense(p)
+        for kept, p in zip(info.kept, primals_out, strict=True)
+    ]
+    leaves, tree = jax.tree_util.tree_flatten(settled)
+    if tree != info.tree:
+        raise TypeError(
+            f"The custom derivative rule of `{name}` returned primal outputs with "
+            f"implicit structure {tree}, but `{name}` itself returned {info.tree}. "
+            "Make the rule compute its primal outputs by calling the function."
+        )
+    return leaves
 
 
-def _enter(tag, vals):
-    sub = ImplicitTrace(current_trace(), tag)
-    return sub, [sub.wrap(v) for v in vals]
-
-
-def _implicit_fun(f, tag, in_tree, info: _OutInfo, settle_name: str | None, *leaves):
+def _implicit_fun(f, tag, in_tree, info: _Outputs, settle: tuple | None, *leaves):
     """`f` (a function of the values) as a function of their flat leaves.
 
-    With `settle_name`, outputs are settled as for a custom-derivative function.
+    With `settle` (the function's name and its call primitive's), outputs are settled
+    as for a function with a custom derivative rule.
     """
-    vals = jax.tree_util.tree_unflatten(in_tree, leaves)
-    sub, wrapped = _enter(tag, vals)
+    sub, wrapped = _enter(tag, jax.tree_util.tree_unflatten(in_tree, leaves))
     with set_current_trace(sub):
         outs = f(*wrapped)
     del wrapped
     outs = _unwrap_all(sub, outs)
-    if settle_name is not None:
-        outs = _settle(outs, settle_name, quiet=False)
+    if settle is not None:
+        outs = _settle(outs, *settle)
     info.decide(outs)
     return jax.tree_util.tree_leaves(outs)
 
 
-def _instantiate(t: Any, aval: Any) -> Any:
-    if isinstance(t, (SymbolicZero, Zero)):
-        return _zeros(aval.to_tangent_aval())
-    return t
+def _call_rule(trace, primitive, f, vals, params):
+    if not _has_implicit(vals):
+        with set_current_trace(trace.parent_trace):
+            return primitive.bind(f, *vals, **params)
+    info = _Outputs()
+    in_tree = jax.tree_util.tree_structure(vals)
+    f2 = transformation2(_implicit_fun, f, trace.tag, in_tree, info, None)
+    with set_current_trace(trace.parent_trace):
+        outs = primitive.bind(*_leaves(vals), subfuns=(f2,), **params)
+    return [trace.wrap(o) for o in jax.tree_util.tree_unflatten(info.tree, outs)]
 
 
 def _zeros(aval: Any) -> Any:
@@ -986,170 +849,14 @@ def _zeros(aval: Any) -> Any:
     return jax.numpy.zeros(aval.shape, aval.dtype)
 
 
-def _dense_tangent(value: ImplicitBase, leaves: list, tangents: list) -> Any:
-    """The tangent of `value.materialize()` given tangents of its leaves."""
-    tree = jax.tree_util.tree_structure(value)
-
-    def dense(*ls):
-        return materialize_nested(jax.tree_util.tree_unflatten(tree, ls), full=True)
-
-    token = quiet_materialization.set(True)
-    try:
-        _, tangent = jax.jvp(dense, tuple(leaves), tuple(tangents))
-    finally:
-        quiet_materialization.reset(token)
-    return tangent
+def _instantiate(t: Any, leaf: Any) -> Any:
+    if isinstance(t, (SymbolicZero, Zero)):
+        return _zeros(typeof(leaf).to_tangent_aval())
+    return t
 
 
-def _split_by_value(vals: list, leaves: Sequence) -> list[list]:
-    """Group flat `leaves` (one per leaf of `vals`) by the value they belong to."""
-    groups, i = [], 0
-    for v in vals:
-        n = len(jax.tree_util.tree_leaves(v)) if isinstance(v, ImplicitBase) else 1
-        groups.append(list(leaves[i : i + n]))
-        i += n
-    return groups
-
-
-def _dense_value(x: Any) -> Any:
-    """Quietly materialize a value computed a second time (already reported once)."""
-    if isinstance(x, ImplicitBase):
-        token = quiet_materialization.set(True)
-        try:
-            return materialize_nested(x, full=True)
-        finally:
-            quiet_materialization.reset(token)
-    return x
-
-
-def _implicit_jvp(f, tag, in_tree, info: _OutInfo, name: str, symbolic_zeros, *args):
-    """The custom JVP rule `f`, as a rule over the flat leaves of implicit values."""
-    n = len(args) // 2
-    primal_leaves, tangent_leaves = list(args[:n]), list(args[n:])
-    vals = jax.tree_util.tree_unflatten(in_tree, primal_leaves)
-    tangents = []
-    for v, ls, ts in zip(
-        vals, _split_by_value(vals, primal_leaves), _split_by_value(vals, tangent_leaves)
-    ):
-        if not isinstance(v, ImplicitBase):
-            tangents.append(ts[0])
-        elif symbolic_zeros and all(isinstance(t, SymbolicZero) for t in ts):
-            tangents.append(SymbolicZero(v.aval.to_tangent_aval()))
-        else:
-            ts = [_instantiate(t, _aval(leaf)) for t, leaf in zip(ts, ls)]
-            tangents.append(_dense_tangent(v, ls, ts))
-    sub, wrapped = _enter(tag, vals)
-    with set_current_trace(sub):
-        outs = f(*wrapped, *tangents)
-    del wrapped
-    outs = _unwrap_all(sub, outs)
-    m = len(outs) // 2
-    primals_out, tangents_out = outs[:m], outs[m:]
-    if info.outs is None:  # the function itself was not run: this rule decides
-        primals_out = _settle(primals_out, name, quiet=False)
-        info.decide(primals_out)
-    out_primal_leaves, out_tangent_leaves = [], []
-    for keep, p, t in zip(info.implicit, primals_out, tangents_out):
-        if keep:
-            if not isinstance(p, ImplicitBase):
-                raise TypeError(
-                    f"The custom JVP rule of `{name}` returned a dense primal output "
-                    f"where `{name}` itself returned an implicit {type(p).__name__}; "
-                    "make the rule compute its primal output by calling the function."
-                )
-            leaves = jax.tree_util.tree_leaves(p)
-            out_primal_leaves += leaves
-            out_tangent_leaves += [_zeros(_aval(leaf).to_tangent_aval()) for leaf in leaves]
-        else:
-            out_primal_leaves.append(_dense_value(p))
-            out_tangent_leaves.append(t if isinstance(t, SymbolicZero) else _dense_value(t))
-    return [*out_primal_leaves, *out_tangent_leaves]
-
-
-def _custom_jvp_rule(trace, primitive, fun, jvp, vals, *, symbolic_zeros):
-    if not _has_implicit(vals):
-        params = dict(subfuns=(fun, jvp), symbolic_zeros=symbolic_zeros)
-        return bind_with_trace(trace.parent_trace, primitive, vals, params)
-    flat_in, in_tree = flatten_values(vals)
-    name = _fun_name(fun)
-    info = _OutInfo()
-    fun2 = transformation2(_implicit_fun, fun, trace.tag, in_tree, info, name)
-    jvp2 = transformation2(_implicit_jvp, jvp, trace.tag, in_tree, info, name, symbolic_zeros)
-    params = dict(subfuns=(fun2, jvp2), symbolic_zeros=symbolic_zeros)
-    outs = bind_with_trace(trace.parent_trace, primitive, flat_in, params)
-    return [trace.wrap(o) for o in jax.tree_util.tree_unflatten(info.tree, outs)]
-
-
-def _implicit_fwd(f, tag, in_tree, info: _OutInfo, name, out_trees, *args):
-    """The custom VJP forward rule `f`, over the flat leaves of implicit values.
-
-    Its residuals are the original residuals (flattened) and the implicit inputs, whose
-    leaves the backward rule needs to turn dense cotangents into leaf cotangents.
-    """
-    leaves, nonzeros = list(args[::2]), list(args[1::2])
-    vals = jax.tree_util.tree_unflatten(in_tree, leaves)
-    flags = [any(group) for group in _split_by_value(vals, nonzeros)]
-    sub, wrapped = _enter(tag, vals)
-    with set_current_trace(sub):
-        outs = f(*[x for pair in zip(wrapped, flags) for x in pair])
-    _, res_tree, input_fwds = out_trees()
-    n_res_out = res_tree.num_leaves - sum(i is not None for i in input_fwds)
-    res_out = iter(outs[:n_res_out])
-    res = [next(res_out) if i is None else wrapped[i] for i in input_fwds]
-    primals_out = outs[n_res_out:]
-    del wrapped
-    res, primals_out = _unwrap_all(sub, res), _unwrap_all(sub, primals_out)
-    if info.outs is None:  # the function itself was not run: this rule decides
-        primals_out = _settle(primals_out, name, quiet=False)
-        info.decide(primals_out)
-    else:
-        primals_out = [
-            p if keep else _dense_value(p) for keep, p in zip(info.implicit, primals_out)
-        ]
-    implicit_inputs = [v for v in vals if isinstance(v, ImplicitBase)]
-    res_leaves, info.res_tree = jax.tree_util.tree_flatten((res, implicit_inputs))
-    return [*res_leaves, *jax.tree_util.tree_leaves(primals_out)]
-
-
-def _implicit_bwd(f, tag, in_implicit, info: _OutInfo, *args):
-    """The custom VJP backward rule `f`, giving cotangents for the leaves of the inputs.
-
-    A dense cotangent for an implicit input becomes cotangents for its leaves through
-    the VJP of its `materialize()` at the input's leaves (kept as residuals).
-    """
-    n_res = info.res_tree.num_leaves
-    res, implicit_inputs = jax.tree_util.tree_unflatten(info.res_tree, args[:n_res])
-    ct_leaves = iter(args[n_res:])
-    cts = []
-    for keep, n_leaves, aval in info.outs:
-        if keep:  # no differentiable data: its cotangent is zero
-            for _ in range(n_leaves):
-                next(ct_leaves)
-            cts.append(_zeros(aval.to_tangent_aval()))
-        else:
-            cts.append(next(ct_leaves))
-    sub, wrapped_res = _enter(tag, res)
-    with set_current_trace(sub):
-        cts_in = f(*wrapped_res, *cts)
-    del wrapped_res
-    cts_in = _unwrap_all(sub, cts_in)
-    implicit_inputs = iter(implicit_inputs)
-    out = []
-    for is_implicit_input, ct in zip(in_implicit, cts_in):
-        if not is_implicit_input:
-            out.append(_dense_value(ct))
-            continue
-        value = next(implicit_inputs)
-        if isinstance(ct, (Zero, SymbolicZero)):
-            leaves = jax.tree_util.tree_leaves(value)
-            out += [Zero(_aval(leaf).to_tangent_aval()) for leaf in leaves]
-        else:
-            out += _leaf_cotangents(value, _dense_value(ct))
-    return out
-
-
-def _leaf_cotangents(value: ImplicitBase, ct: Any) -> list:
-    """Cotangents of the leaves of `value` given one of `value.materialize()`."""
+def _through_materialize(value: ImplicitBase, transform: Callable, *args: Any) -> Any:
+    """`transform(dense, leaves, *args)` with `dense` the leaves-to-array function."""
     leaves, tree = jax.tree_util.tree_flatten(value)
 
     def dense(*ls):
@@ -1157,43 +864,180 @@ def _leaf_cotangents(value: ImplicitBase, ct: Any) -> list:
 
     token = quiet_materialization.set(True)
     try:
-        _, vjp = jax.vjp(dense, *leaves)
-        return list(vjp(ct))
+        return transform(dense, leaves, *args)
     finally:
         quiet_materialization.reset(token)
 
 
-def _custom_vjp_rule(trace, primitive, fun, fwd, bwd, vals, *, out_trees, symbolic_zeros):
+def _dense_tangent(value: ImplicitBase, tangents: list) -> Any:
+    """The tangent of `value.materialize()` given tangents of `value`'s leaves."""
+
+    def jvp(dense, leaves, tangents):
+        return jax.jvp(dense, tuple(leaves), tuple(tangents))[1]
+
+    return _through_materialize(value, jvp, tangents)
+
+
+def _leaf_cotangents(value: ImplicitBase, ct: Any) -> list:
+    """Cotangents of the leaves of `value` given one of `value.materialize()`."""
+
+    def vjp(dense, leaves, ct):
+        return list(jax.vjp(dense, *leaves)[1](ct))
+
+    return _through_materialize(value, vjp, ct)
+
+
+def _per_value(vals: list, leaves: Sequence) -> list[list]:
+    """Group flat `leaves` (one per leaf of `vals`) by the value they belong to."""
+    groups, start = [], 0
+    for v in vals:
+        n = len(jax.tree_util.tree_leaves(v)) if isinstance(v, ImplicitBase) else 1
+        groups.append(list(leaves[start : start + n]))
+        start += n
+    return groups
+
+
+def _implicit_jvp(f, tag, in_tree, info: _Outputs, name, symbolic_zeros, *args):
+    """The custom JVP rule `f`, as a rule over the flat leaves of implicit values.
+
+    Tangents of an implicit value's leaves become a tangent of the array it represents
+    (through the JVP of `materialize()`), which the rule receives with the implicit
+    value itself as the primal.
+    """
+    n = len(args) // 2
+    vals = jax.tree_util.tree_unflatten(in_tree, args[:n])
+    tangents = []
+    for v, leaves, ts in zip(
+        vals, _per_value(vals, args[:n]), _per_value(vals, args[n:]), strict=True
+    ):
+        if not isinstance(v, ImplicitBase):
+            tangents.append(ts[0])
+        elif symbolic_zeros and all(isinstance(t, SymbolicZero) for t in ts):
+            tangents.append(SymbolicZero(v.aval.to_tangent_aval()))
+        else:
+            ts = [_instantiate(t, leaf) for t, leaf in zip(ts, leaves, strict=True)]
+            tangents.append(_dense_tangent(v, ts))
+    sub, wrapped = _enter(tag, vals)
+    with set_current_trace(sub):
+        outs = f(*wrapped, *tangents)
+    del wrapped
+    outs = _unwrap_all(sub, outs)
+    primals_out, tangents_out = outs[: len(outs) // 2], outs[len(outs) // 2 :]
+    if info.kept is None:  # the function itself did not run: this rule decides
+        info.decide(_settle(primals_out, name, "custom_jvp_call"))
+    primal_leaves = _decided_primal_leaves(info, primals_out, name)
+    tangent_leaves = []
+    for kept, p, t in zip(info.kept, primals_out, tangents_out, strict=True):
+        if kept:  # no differentiable data: zero tangents for its leaves
+            leaves = jax.tree_util.tree_leaves(p)
+            tangent_leaves += [_zeros(typeof(x).to_tangent_aval()) for x in leaves]
+        else:
+            tangent_leaves.append(t if isinstance(t, SymbolicZero) else _quiet_dense(t))
+    return [*primal_leaves, *tangent_leaves]
+
+
+def _custom_jvp_rule(trace, primitive, fun, jvp, vals, *, symbolic_zeros):
+    if not _has_implicit(vals):
+        params = dict(subfuns=(fun, jvp), symbolic_zeros=symbolic_zeros)
+        return bind_leaves(trace.parent_trace, primitive, vals, params)
+    in_tree, name, info = jax.tree_util.tree_structure(vals), _fun_name(fun), _Outputs()
+    settle = (name, primitive.name)
+    fun2 = transformation2(_implicit_fun, fun, trace.tag, in_tree, info, settle)
+    jvp2 = transformation2(
+        _implicit_jvp, jvp, trace.tag, in_tree, info, name, symbolic_zeros
+    )
+    params = dict(subfuns=(fun2, jvp2), symbolic_zeros=symbolic_zeros)
+    outs = bind_leaves(trace.parent_trace, primitive, _leaves(vals), params)
+    return [trace.wrap(o) for o in jax.tree_util.tree_unflatten(info.tree, outs)]
+
+
+def _implicit_fwd(f, tag, in_tree, info: _Outputs, name, out_trees, *args):
+    """The custom VJP forward rule `f`, over the flat leaves of implicit values.
+
+    Its residuals are the rule's own (all of them, flattened) followed by the implicit
+    inputs, whose leaves the backward rule linearizes `materialize()` at.
+    """
+    leaves, nonzeros = args[::2], args[1::2]
+    vals = jax.tree_util.tree_unflatten(in_tree, leaves)
+    flags = [any(group) for group in _per_value(vals, nonzeros)]
+    sub, wrapped = _enter(tag, vals)
+    with set_current_trace(sub):
+        outs = f(*[x for pair in zip(wrapped, flags, strict=True) for x in pair])
+    _, res_tree, input_fwds = out_trees()
+    n_res = res_tree.num_leaves - sum(i is not None for i in input_fwds)
+    res_out = iter(outs[:n_res])
+    res = [next(res_out) if i is None else wrapped[i] for i in input_fwds]
+    del wrapped
+    res, primals_out = _unwrap_all(sub, res), _unwrap_all(sub, outs[n_res:])
+    if info.kept is None:  # the function itself did not run: this rule decides
+        info.decide(_settle(primals_out, name, "custom_vjp_call"))
+    primal_leaves = _decided_primal_leaves(info, primals_out, name)
+    implicit_inputs = [v for v in vals if isinstance(v, ImplicitBase)]
+    res_leaves, info.res_tree = jax.tree_util.tree_flatten((res, implicit_inputs))
+    return [*res_leaves, *primal_leaves]
+
+
+def _implicit_bwd(f, tag, in_implicit, info: _Outputs, *args):
+    """The custom VJP backward rule `f`, giving cotangents for the input leaves.
+
+    A cotangent for an implicit input's array becomes cotangents for its leaves through
+    the VJP of `materialize()` at the input's leaves.
+    """
+    n_res = info.res_tree.num_leaves
+    res, implicit_inputs = jax.tree_util.tree_unflatten(info.res_tree, args[:n_res])
+    ct_leaves = iter(args[n_res:])
+    cts = []
+    for kept, size, aval in zip(info.kept, info.sizes, info.avals, strict=True):
+        if kept:  # no differentiable data: its cotangent is zero
+            for _ in range(size):
+                next(ct_leaves)
+            cts.append(_zeros(aval.to_tangent_aval()))
+        else:
+            cts.append(next(ct_leaves))
+    sub, wrapped = _enter(tag, res)
+    with set_current_trace(sub):
+        cts_in = f(*wrapped, *cts)
+    del wrapped
+    cts_in = _unwrap_all(sub, cts_in)
+    implicit_inputs = iter(implicit_inputs)
+    out = []
+    for is_implicit, ct in zip(in_implicit, cts_in, strict=True):
+        if not is_implicit:
+            out.append(_quiet_dense(ct))
+            continue
+        value = next(implicit_inputs)
+        if isinstance(ct, (Zero, SymbolicZero)):
+            zero_cts = (Zero(typeof(x).to_tangent_aval()) for x in _leaves([value]))
+            out.extend(zero_cts)
+        else:
+            out.extend(_leaf_cotangents(value, _quiet_dense(ct)))
+    return out
+
+
+def _custom_vjp_rule(
+    trace, primitive, fun, fwd, bwd, vals, *, out_trees, symbolic_zeros
+):
     if not _has_implicit(vals):
         params = dict(
             subfuns=(fun, fwd, bwd), out_trees=out_trees, symbolic_zeros=symbolic_zeros
         )
-        return bind_with_trace(trace.parent_trace, primitive, vals, params)
-    flat_in, in_tree = flatten_values(vals)
-    name = _fun_name(fun)
-    info = _OutInfo()
-    fun2 = transformation2(_implicit_fun, fun, trace.tag, in_tree, info, name)
-    fwd2 = transformation2(_implicit_fwd, fwd, trace.tag, in_tree, info, name, out_trees)
+        return bind_leaves(trace.parent_trace, primitive, vals, params)
+    in_tree, name, info = jax.tree_util.tree_structure(vals), _fun_name(fun), _Outputs()
     in_implicit = tuple(isinstance(v, ImplicitBase) for v in vals)
+    settle = (name, primitive.name)
+    fun2 = transformation2(_implicit_fun, fun, trace.tag, in_tree, info, settle)
+    fwd2 = transformation2(
+        _implicit_fwd, fwd, trace.tag, in_tree, info, name, out_trees
+    )
     bwd2 = transformation2(_implicit_bwd, bwd, trace.tag, in_implicit, info)
 
     def out_trees2():
         return info.tree, info.res_tree, [None] * info.res_tree.num_leaves
 
-    params = dict(subfuns=(fun2, fwd2, bwd2), out_trees=out_trees2, symbolic_zeros=symbolic_zeros)
-    outs = bind_with_trace(trace.parent_trace, primitive, flat_in, params)
-    return [trace.wrap(o) for o in jax.tree_util.tree_unflatten(info.tree, outs)]
-
-
-def _call_rule(trace, primitive, f, vals, params):
-    if not _has_implicit(vals):
-        with set_current_trace(trace.parent_trace):
-            return primitive.bind(f, *vals, **params)
-    flat_in, in_tree = flatten_values(vals)
-    info = _OutInfo()
-    f2 = transformation2(_implicit_fun, f, trace.tag, in_tree, info, None)
-    with set_current_trace(trace.parent_trace):
-        outs = primitive.bind(*flat_in, subfuns=(f2,), **params)
+    params = dict(
+        subfuns=(fun2, fwd2, bwd2), out_trees=out_trees2, symbolic_zeros=symbolic_zeros
+    )
+    outs = bind_leaves(trace.parent_trace, primitive, _leaves(vals), params)
     return [trace.wrap(o) for o in jax.tree_util.tree_unflatten(info.tree, outs)]
 
 
@@ -1201,28 +1045,25 @@ def _call_rule(trace, primitive, f, vals, params):
 # shard_map
 
 _SHARD_REASON = (
-    "`shard_map` splits this {cls} with the partition spec {spec}, but its leaf of shape "
-    "{leaf_shape} is not laid out like the array it represents ({shape}) along the "
+    "`shard_map` splits this {cls} by the partition spec {spec}, but its leaf of shape "
+    "{leaf_shape} is not laid out like the array it represents {shape} along the "
     "partitioned dimensions, so it is materialized. Pass it replicated (`P()`) to keep "
     "it implicit."
 )
 
 
-def _fit_spec(value: Any, spec: Any, where: str) -> Any:
-    """`value`, materialized if its leaves cannot all be partitioned by `spec`.
-
-    Splitting an implicit array splits each of its leaves the same way, as JAX does for
-    a pytree given one spec (and as `vmap` and `scan` slice every leaf).
-    """
+def _fit_spec(value: Any, spec: Any) -> Any:
+    """`value`, materialized if its leaves cannot all be partitioned by `spec`."""
     if not isinstance(value, ImplicitBase):
         return value
     for leaf in jax.tree_util.tree_leaves(value):
         if not _spec_fits(spec, value, leaf):
             reason = _SHARD_REASON.format(
-                cls=type(value).__name__, spec=spec, leaf_shape=np.shape(leaf),
+                cls=type(value).__name__,
+                spec=spec,
+                leaf_shape=np.shape(leaf),
                 shape=tuple(value.shape),
             )
-            del where
             return _densify(value, "shard_map", reason)
     return value
 
@@ -1232,30 +1073,31 @@ def _shard_map_rule(trace, primitive, fun, vals, params):
         with set_current_trace(trace.parent_trace):
             return primitive.bind(*vals, subfuns=(fun,), **params)
     with set_current_trace(trace.parent_trace):
-        vals = [_fit_spec(v, s, "in") for v, s in zip(vals, params["in_specs"], strict=True)]
-    flat_in, in_tree = flatten_values(vals)
-    leaf_specs = _per_leaf(vals, params["in_specs"], lambda spec, _v, _leaf: spec)
-    info = _OutInfo()
+        vals = [_fit_spec(v, s) for v, s in zip(vals, params["in_specs"], strict=True)]
+    in_tree, info = jax.tree_util.tree_structure(vals), _Outputs()
+    template = []
 
     def body(*leaves):
         sub, wrapped = _enter(trace.tag, jax.tree_util.tree_unflatten(in_tree, leaves))
         with set_current_trace(sub):
-            out = fun(*wrapped)
+            ans, out_specs = fun(*wrapped).unpack_aux()
         del wrapped
-        ans, out_specs = out.unpack_aux()
-        values = _unwrap_all(sub, list(ans.vals))
-        values = [_fit_spec(v, s, "out") for v, s in zip(values, out_specs, strict=True)]
-        info.decide(values)
-        info.template = ans.update([None] * len(values))
-        specs = _per_leaf(values, out_specs, lambda spec, _v, _leaf: spec)
-        flat = jax.tree_util.tree_leaves(values)
-        return FlatTree.flatten(tuple(flat)).with_aux(specs)
+        outs = _unwrap_all(sub, ans.vals)
+        outs = [_fit_spec(v, s) for v, s in zip(outs, out_specs, strict=True)]
+        info.decide(outs)
+        template[:] = [ans.update([None] * len(outs))]
+        leaf_specs = _per_leaf(outs, out_specs, lambda spec, _v, _leaf: spec)
+        return FlatTree.flatten(tuple(_leaves(outs))).with_aux(leaf_specs)
 
-    new_params = dict(params, in_specs=leaf_specs)
+    new_params = dict(
+        params,
+        in_specs=_per_leaf(vals, params["in_specs"], lambda spec, _v, _leaf: spec),
+        debug_info=forget_arg_names(params.get("debug_info")),
+    )
     with set_current_trace(trace.parent_trace):
-        out = primitive.bind(*flat_in, subfuns=(body,), **new_params)
-    values = jax.tree_util.tree_unflatten(info.tree, list(out.vals))
-    return info.template.update([trace.wrap(v) for v in values])
+        out = primitive.bind(*_leaves(vals), subfuns=(body,), **new_params)
+    outs = jax.tree_util.tree_unflatten(info.tree, list(out.vals))
+    return template[0].update([trace.wrap(o) for o in outs])
 
 
 # ----------------------------------------------------------------------------------------
@@ -1267,7 +1109,7 @@ def _same(params: dict, _value: Any, _leaf: Any) -> dict:
 
 
 def _pvary_params(params: dict, _value: Any, leaf: Any) -> dict | None:
-    varying = _aval(leaf).mat.varying
+    varying = typeof(leaf).mat.varying
     axes = tuple(a for a in params["axes"] if a not in varying)
     return dict(params, axes=axes) if axes else None
 
@@ -1280,23 +1122,19 @@ def _constraint_params(params: dict, value: Any, leaf: Any) -> dict | None:
     return dict(params, sharding=sharding, layout=layout)
 
 
-def _replicated_like(sharding: Any) -> Any:
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is None:
-        return sharding
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-
 def _device_put_entry(name: str) -> Callable:
     def entry(p: Any, value: Any, leaf: Any) -> Any:
-        if name == "devices" and isinstance(p, jax.sharding.Sharding):
-            return _leaf_sharding(p, value, leaf, _replicated_like(p))
+        if name == "devices" and isinstance(p, jax.sharding.NamedSharding):
+            replicated = jax.sharding.NamedSharding(
+                p.mesh, jax.sharding.PartitionSpec()
+            )
+            return _leaf_sharding(p, value, leaf, replicated)
         return p
 
     return entry
 
 
-# Per-leaf parameters of the single-operand primitives (None: leave the leaf alone).
+# Single-operand primitives: the params for one leaf (None: leave the leaf alone).
 _SINGLE: dict = {
     jax.lax.stop_gradient_p: _same,
     jax.lax.copy_p: _same,
@@ -1305,7 +1143,7 @@ _SINGLE: dict = {
 }
 if pvary_p is not None:
     _SINGLE[pvary_p] = _pvary_params
-# Per-operand tuple parameters of the multiple-operand primitives.
+# Multiple-operand primitives: their params that hold one entry per operand.
 _MULTI: dict = {
     jax.lax.optimization_barrier_p: (),
     jax.lax.device_put_p: ("devices", "srcs", "copy_semantics"),
@@ -1313,11 +1151,11 @@ _MULTI: dict = {
 
 
 def _has_data(leaf: Any) -> bool:
-    return np.prod(np.shape(leaf), dtype=np.int64) > 0
+    return np.size(leaf) > 0
 
 
 def _leafwise_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> Any:
-    """Apply an annotating primitive to each leaf of the implicit operands.
+    """Apply an annotating primitive to the leaves of the implicit operands.
 
     Leaves without data (the zero-size witness of an implicit array's shape) are
     passed through unchanged.
@@ -1327,25 +1165,29 @@ def _leafwise_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) ->
         leaves, tree = jax.tree_util.tree_flatten(value)
         out = []
         for leaf in leaves:
-            leaf_params = _SINGLE[primitive](params, value, leaf) if _has_data(leaf) else None
-            if leaf_params is None:
-                out.append(leaf)
-            else:
-                out.append(bind_with_trace(trace.parent_trace, primitive, [leaf], leaf_params))
+            leaf_params = (
+                _SINGLE[primitive](params, value, leaf) if _has_data(leaf) else None
+            )
+            if leaf_params is not None:
+                leaf = bind_leaves(trace.parent_trace, primitive, [leaf], leaf_params)
+            out.append(leaf)
         return jax.tree_util.tree_unflatten(tree, out)
 
     flat, tree = flatten_values(vals)
-    per_leaf = {
-        name: _per_leaf(vals, params[name], _device_put_entry(name))
-        for name in _MULTI[primitive]
-    }
     keep = [i for i, leaf in enumerate(flat) if _has_data(leaf)]
-    new_params = dict(params, **{n: tuple(p[i] for i in keep) for n, p in per_leaf.items()})
-    results = bind_with_trace(trace.parent_trace, primitive, [flat[i] for i in keep], new_params)
-    for i, r in zip(keep, results, strict=True):
-        flat[i] = r
+    new_params = dict(params)
+    for name in _MULTI[primitive]:
+        per_leaf = _per_leaf(vals, params[name], _device_put_entry(name))
+        new_params[name] = tuple(per_leaf[i] for i in keep)
+    results = bind_leaves(
+        trace.parent_trace, primitive, [flat[i] for i in keep], new_params
+    )
+    for i, result in zip(keep, results, strict=True):
+        flat[i] = result
     return jax.tree_util.tree_unflatten(tree, flat)
 
+
+# ----------------------------------------------------------------------------------------
 
 structural_rules[primitives_module.jit_p] = _jit_rule
 structural_rules[jax.lax.cond_p] = _cond_rule

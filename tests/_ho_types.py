@@ -142,7 +142,11 @@ def make_lora(d_in: int = 5, d_out: int = 6, rank: int = 2, seed: int = 0, lead=
 def dense(x):
     """Fully materialized version of every implicit array in `x`."""
     return jax.tree_util.tree_map(
-        lambda v: qax.materialize_nested(v, full=True) if isinstance(v, qax.ImplicitArray) else v,
+        lambda v: (
+            qax.materialize_nested(v, full=True)
+            if isinstance(v, qax.ImplicitArray)
+            else v
+        ),
         x,
         is_leaf=lambda v: isinstance(v, qax.ImplicitArray),
     )
@@ -155,13 +159,16 @@ def dense(x):
 def assert_close(got, expected, rtol=1e-5, atol=1e-5):
     got, expected = dense(got), dense(expected)
     assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(expected)
-    for g, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected)):
+    leaves = jax.tree_util.tree_leaves
+    for g, e in zip(leaves(got), leaves(expected), strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=rtol, atol=atol)
 
 
 def _total(out) -> jax.Array:
     leaves = jax.tree_util.tree_leaves(dense(out))
-    return sum(jnp.sum(jnp.sin(x)) for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact))
+    return sum(
+        jnp.sum(jnp.sin(x)) for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)
+    )
 
 
 def implicit_loss(f):
@@ -236,6 +243,9 @@ def forms_full_lora(jaxpr, d_in: int, d_out: int, rank: int) -> bool:
         lhs = eqn.invars[0].aval
         out = eqn.outvars[0].aval
         contracted = [lhs.shape[d] for d in lc]
-        if contracted == [rank] and tuple(out.shape[-2:]) in ((d_in, d_out), (d_out, d_in)):
+        if contracted == [rank] and tuple(out.shape[-2:]) in (
+            (d_in, d_out),
+            (d_out, d_in),
+        ):
             return True
     return False
