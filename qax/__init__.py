@@ -1,14 +1,19 @@
 """qax: arrays represented one way that behave like another, for any JAX code."""
 
-from . import constants as constants
 from . import _higher_order as _higher_order  # noqa: F401 (registers structural rules)
+from . import constants as constants
+from . import testing as testing
+from ._audit import materialization_audit as materialization_audit
+from ._audit import materialization_policy as materialization_policy
 from ._base import ImplicitBase as ImplicitBase
 from ._dispatch import ArrayValue as ArrayValue
 from ._dispatch import default_handler as default_handler
 from ._dispatch import primitive_handler as primitive_handler
 from ._errors import HandlerError as HandlerError
+from ._errors import MaterializationError as MaterializationError
 from ._errors import MaterializationWarning as MaterializationWarning
 from ._errors import UninitializedAval as UninitializedAval
+from ._explain import explain as explain
 from ._implicit_array import ImplicitArray as ImplicitArray
 from ._implicit_array import aux_field as aux_field
 from ._interpreter import materialize_nested as materialize_nested
@@ -23,12 +28,17 @@ __all__ = [
     "HandlerError",
     "ImplicitArray",
     "ImplicitBase",
+    "MaterializationError",
     "MaterializationWarning",
     "UninitializedAval",
     "aux_field",
     "constants",
     "default_handler",
+    "explain",
+    "materialization_audit",
+    "materialization_policy",
     "materialize_nested",
     "primitive_handler",
+    "testing",
     "use_implicit_args",
 ]

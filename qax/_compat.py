@@ -6,13 +6,21 @@ upgrade is a change to this file alone. Written against JAX 0.10.x.
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import jax.extend.core as jex_core
+from jax._src import ad_util as _ad_util
 from jax._src import core as _core
 from jax._src import dtypes as _dtypes
 from jax._src import linear_util as _lu
 from jax._src import source_info_util as _source_info
+from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
+from jax._src.lax.control_flow.common import _merge_common_consts
+from jax._src.shard_map import shard_map_p as shard_map_p
+from jax._src.sharding_impls import UNSPECIFIED as UNSPECIFIED
+from jax._src.tree_util import FlatTree as FlatTree
 
 Trace = _core.Trace
 Tracer = _core.Tracer
@@ -36,6 +44,18 @@ convert_constvars_jaxpr = _pe.convert_constvars_jaxpr
 wrap_init = _lu.wrap_init
 
 
+def canonicalize_value(x):
+    """`x` as a value a trace accepts (NumPy arrays and Python scalars canonicalized)."""
+    if isinstance(x, Tracer):
+        return x
+    return _dtypes.canonicalize_value(x)
+
+
+def eval_context():
+    """Context in which binds execute eagerly, whatever trace is current."""
+    return _core.eval_context()
+
+
 def current_trace() -> Trace:
     """The trace that a `bind` right now would go to."""
     return _core.trace_ctx.trace
@@ -53,13 +73,10 @@ def bind_with_trace(trace: Trace, primitive: Primitive, args, params):
 def bind_leaves(trace: Trace, primitive: Primitive, leaves, params):
     """`bind_with_trace` for the leaves of implicit arrays, which may be raw values.
 
-    Leaves built outside any trace (numpy arrays such as the shape witness, Python
-    scalars) are canonicalized first, as `Primitive.bind` would do.
+    Leaves built outside any trace (NumPy arrays, Python scalars) are canonicalized
+    first, as `Primitive.bind` would do.
     """
-    leaves = [
-        x if isinstance(x, Tracer) else _dtypes.canonicalize_value(x) for x in leaves
-    ]
-    return bind_with_trace(trace, primitive, leaves, params)
+    return bind_with_trace(trace, primitive, [canonicalize_value(x) for x in leaves], params)
 
 
 def user_source_line() -> str | None:
@@ -71,6 +88,50 @@ def user_source_line() -> str | None:
     if frame is None:
         return None
     return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+
+
+# The functions that run a backward pass (transposition): `jax.vjp`, `jax.grad`,
+# `jax.linear_transpose` and the transpose rules of control flow all go through them.
+_BACKWARD_PASS_CODE = frozenset(
+    fn.__code__
+    for fn in (getattr(_ad, name, None) for name in ("backward_pass3", "backward_pass"))
+    if hasattr(fn, "__code__")
+)
+
+
+def in_backward_pass() -> bool:
+    """Whether JAX is running a backward (transpose) pass right now.
+
+    The name stack carries a `transpose` transform there, but re-traced bodies (jit) reset
+    it; the Python call stack still holds the frame of `ad.backward_pass3` then.
+    """
+    for entry in _source_info.current_name_stack().stack:
+        if isinstance(entry, _source_info.Transform) and entry.name == "transpose":
+            return True
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _BACKWARD_PASS_CODE:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def traced_source_line(skip: tuple[str, ...]) -> str | None:
+    """`file:line (function)` of the innermost user frame (outside JAX and `skip`) of the
+    traceback JAX attached to what it evaluates now, if any.
+
+    In a backward pass that is the traceback of the forward operation being transposed.
+    """
+    traceback = _source_info.current().traceback
+    if traceback is None:
+        return None
+    codes, lastis = traceback.raw_frames()
+    for code, lasti in zip(codes, lastis, strict=False):
+        name = code.co_filename
+        if _source_info.is_user_filename(name) and not name.startswith(skip):
+            frame = _source_info.raw_frame_to_frame(code, lasti)
+            return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+    return None
 
 
 def register_exclusion(path: str) -> None:
@@ -87,17 +148,7 @@ def make_debug_info(name: str) -> DebugInfo:
     return DebugInfo("qax", name, None, None)
 
 
-from jax._src.sharding_impls import UNSPECIFIED  # noqa: E402,F401
-
-shard_map_p = None
-try:  # noqa: SIM105
-    from jax._src.shard_map import shard_map_p  # noqa: E402,F401,F811
-except ImportError:  # pragma: no cover
-    pass
-
 # -- used by the higher-order rules (`qax/_higher_order.py`) ------------------------------
-from jax._src import ad_util as _ad_util  # noqa: E402
-from jax._src.tree_util import FlatTree  # noqa: E402,F401
 
 pvary_p = getattr(_core, "pvary_p", None)
 Zero = _ad_util.Zero
@@ -113,16 +164,6 @@ def transformation2(gen, fun, *static_args):
     return _lu.transformation2(gen)(fun, *static_args).with_unknown_names()
 
 
-def reset_stores(fun) -> None:
-    """Empty the output stores of a `WrappedFun`, so that it can be called again.
-
-    JAX does the same before re-tracing a custom rule (`jvp_jaxpr_thunk`).
-    """
-    for store in fun.stores:
-        if store is not None:
-            store.reset()
-
-
 mapped_aval = jex_core.mapped_aval
 separate_consts = _pe.separate_consts
 
@@ -133,6 +174,4 @@ def merge_common_consts(jaxprs, all_consts):
     Returns the padded jaxprs (every branch takes every constant, in the same order)
     and the de-duplicated constants: what `lax.cond` itself does before binding.
     """
-    from jax._src.lax.control_flow.common import _merge_common_consts
-
     return _merge_common_consts(jaxprs, all_consts)

@@ -54,7 +54,9 @@ def resolve_primitive(primitive: str | Primitive) -> Primitive:
             return found
     close = difflib.get_close_matches(primitive, _all_primitive_names(), n=3)
     suggestion = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-    raise ValueError(_errors.UNKNOWN_PRIMITIVE.format(name=primitive, suggestion=suggestion))
+    raise ValueError(
+        _errors.UNKNOWN_PRIMITIVE.format(name=primitive, suggestion=suggestion)
+    )
 
 
 def _function_for(primitive: Primitive) -> plum.Function:
@@ -93,7 +95,7 @@ def primitive_handler(
     Raises:
       ValueError: for an unknown primitive name (close names are suggested).
     """
-    if isinstance(primitives, (str, Primitive)):
+    if isinstance(primitives, (str, Primitive)) or not isinstance(primitives, Iterable):
         primitives = [primitives]
     resolved = [resolve_primitive(p) for p in primitives]
 
@@ -146,7 +148,8 @@ def _keyword_names(fn: Callable) -> frozenset[str] | None:
     return frozenset(
         p.name
         for p in parameters
-        if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        if p.kind
+        in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class MaterializationWarning(UserWarning):
     """An implicit array was turned into a dense array because no handler applied.
@@ -22,6 +24,33 @@ class UninitializedAval(Exception):
         super().__init__(message)
 
 
+class MaterializationError(RuntimeError):
+    """An implicit array was materialized where `qax.materialization_policy` says "error".
+
+    Attributes:
+      primitive: name of the primitive that had no handler.
+      cls: the implicit class that was materialized.
+      source: ``file:line (function)`` of the user's code that triggered it, if known.
+      phase: ``"forward"``, or ``"backward"`` inside a backward (transpose) pass.
+    """
+
+    def __init__(self, event: Any, rule: str, phase: str = "forward"):
+        self.primitive = event.primitive
+        self.cls = event.cls
+        self.source = event.source
+        self.phase = phase
+        super().__init__(
+            MATERIALIZATION_FORBIDDEN.format(
+                primitive=event.primitive,
+                cls=event.cls.__name__,
+                aval=f"{event.dtype}{list(event.shape)}",
+                source=event.source or "an unknown line",
+                phase=phase,
+                rule=rule,
+            )
+        )
+
+
 class HandlerError(TypeError):
     """A primitive handler was ambiguous or returned something of the wrong type."""
 
@@ -30,6 +59,13 @@ MATERIALIZE_WARNING = (
     "Primitive {primitive} was not handled by class {cls}, so implicit args will be "
     "materialized."
 )
+
+MATERIALIZATION_FORBIDDEN = """\
+Primitive {primitive} was not handled by class {cls}, so a {cls} ({aval}) would be \
+materialized at {source} (in the {phase} pass), but its materialization policy is \
+"error" ({rule}). Register a handler with `@qax.primitive_handler("{primitive}")` \
+(`qax.explain("{primitive}", ...)` shows which ones exist), or allow it, e.g. in a \
+`with qax.materialization_policy({cls}, "allow"):` block."""
 
 UNINITIALIZED_AVAL = """\
 Could not determine the {kind} of this {cls}. Provide it in one of these ways:
@@ -45,7 +81,7 @@ Handlers for primitive `{primitive}` are ambiguous for operand types ({types}):
 Fix it by giving one of them `precedence=` (e.g. `@qax.primitive_handler("{primitive}", \
 precedence=1)`), by registering a handler for exactly this combination, or by applying \
 `qax.use_implicit_args` in two nested steps so that one type is handled first. \
-`qax.explain` shows how each candidate was ranked."""
+`qax.explain("{primitive}", {types})` shows how each candidate was ranked."""
 
 BAD_HANDLER_RESULT = """\
 Handler `{handler}` for primitive `{primitive}` returned {got}, but `{primitive}` on these \

@@ -57,13 +57,13 @@ from ._compat import (
     trace_to_jaxpr_dynamic,
     transformation2,
     typeof,
-    user_source_line,
     wrap_init,
 )
 from ._interpreter import (
     ImplicitTrace,
     MaterializationEvent,
     _recording,
+    _source_line,
     holding_reports,
     materialize_nested,
     replay,
@@ -212,7 +212,7 @@ def _densify(value: ImplicitBase, primitive: str, reason: str | None) -> Any:
     """Report and fully materialize `value` (its own trace must be current)."""
     if not quiet_materialization.get():
         shape, dtype = tuple(value.shape), value.dtype
-        source = user_source_line()
+        source = _source_line()
         report(
             MaterializationEvent(primitive, type(value), shape, dtype, source, reason)
         )

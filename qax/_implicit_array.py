@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import operator
 import warnings
 from collections.abc import Callable
@@ -13,7 +14,7 @@ import jax
 import numpy as np
 
 from ._base import ImplicitBase, check_declared_avals, quiet_materialization
-from ._compat import ShapedArray, current_trace, is_eval_trace
+from ._compat import ShapedArray, current_trace, eval_context, is_eval_trace
 from ._errors import UninitializedAval
 from ._interpreter import _implicit_children, enter_current_trace, use_implicit_args
 
@@ -40,18 +41,22 @@ def aux_field(metadata: dict | None = None, **kwargs: Any) -> Any:
     return dataclasses.field(metadata=metadata, **kwargs)
 
 
+@functools.lru_cache(maxsize=4096)
 def _witness(shape: tuple[int, ...], dtype: Any) -> Any:
     """A zero-size array of shape ``(*shape, 0)`` and the represented dtype.
 
     It rides along as a pytree child, so transformations that reshape leaves (`vmap`
     and `scan` slicing, `tree_map(lambda x: x[0], ...)`, casting) update the implicit
     array's shape and dtype too, even for types whose shape lives only in metadata.
-    It costs no memory.
+    It holds no data, so one device array per (shape, dtype) is shared by every
+    instance (a NumPy array would be copied to the device on every jitted call).
     """
     try:
-        return np.empty((*shape, 0), dtype)
+        host = np.empty((*shape, 0), dtype)
     except TypeError:  # extended dtypes (PRNG keys, ...): shape stays in aux only
         return None
+    with eval_context():
+        return jax.device_put(host)
 
 
 def _field_split(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:

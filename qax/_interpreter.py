@@ -25,7 +25,12 @@ import numpy as np
 import plum
 
 from . import _dispatch, _errors
-from ._base import ImplicitBase, check_declared_avals, is_implicit, quiet_materialization
+from ._base import (
+    ImplicitBase,
+    check_declared_avals,
+    is_implicit,
+    quiet_materialization,
+)
 from ._compat import (
     Primitive,
     Trace,
@@ -34,9 +39,10 @@ from ._compat import (
     bind_with_trace,
     current_trace,
     ensure_no_leaks,
+    in_backward_pass,
     set_current_trace,
+    traced_source_line,
     typeof,
-    user_source_line,
 )
 from .constants import COMMUTATIVE_OPS
 
@@ -134,7 +140,39 @@ def holding_reports(into: list) -> Iterator[None]:
         _held.reset(held)
 
 
+def _source_line() -> str | None:
+    """`file:line (function)` of the user code behind a materialization.
+
+    The first frame outside JAX and qax (where the warning points); in a backward pass,
+    the user line of the forward operation being transposed, when JAX knows it.
+    """
+    if in_backward_pass():
+        line = traced_source_line(_SKIP_DIRS)
+        if line is not None:
+            return line
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_SKIP_DIRS):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
+
+
+def keyword_policy(event: MaterializationEvent) -> tuple[str, str]:
+    """The class keyword's policy: "warn", or "allow" for `warn_on_materialize=False`."""
+    if event.cls.warn_on_materialize:
+        return "warn", "class default"
+    return "allow", f"{event.cls.__name__} was created with warn_on_materialize=False"
+
+
+# Decides what a materialization does: ("allow" | "warn" | "error", why). Declared here,
+# replaced by `qax._audit` with the rules of `qax.materialization_policy`.
+PolicyRule = Callable[[MaterializationEvent], tuple[str, str]]
+decide_policy: list[PolicyRule] = [keyword_policy]
+
+
 def report(event: MaterializationEvent) -> None:
+    """Record `event`, then apply its policy: nothing, a warning, or an error."""
     for recorder in _recorders.get():
         recorder.append(event)
     held = _held.get()
@@ -143,7 +181,11 @@ def report(event: MaterializationEvent) -> None:
         return
     for listener in _listeners.get():
         listener(event)
-    if event.cls.warn_on_materialize:
+    policy, why = decide_policy[0](event)
+    if policy == "error":
+        phase = "backward" if in_backward_pass() else "forward"
+        raise _errors.MaterializationError(event, why, phase)
+    if policy == "warn":
         message = event.reason or _errors.MATERIALIZE_WARNING.format(
             primitive=event.primitive, cls=event.cls.__name__
         )
@@ -307,7 +349,7 @@ def materialize_and_bind(trace: ImplicitTrace, primitive: Primitive, vals, param
             if not quiet_materialization.get():
                 report(
                     MaterializationEvent(
-                        primitive.name, type(v), v.shape, v.dtype, user_source_line()
+                        primitive.name, type(v), v.shape, v.dtype, _source_line()
                     )
                 )
             v = materialize_one_layer(trace, v)

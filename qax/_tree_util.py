@@ -79,7 +79,9 @@ def implicit_depth(tree: Any) -> int:
 
 
 def _children(x: ImplicitBase) -> list[Any]:
-    children, _ = jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x and is_implicit(y))
+    children, _ = jax.tree_util.tree_flatten(
+        x, is_leaf=lambda y: y is not x and is_implicit(y)
+    )
     return children
 
 

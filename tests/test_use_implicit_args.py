@@ -1,0 +1,200 @@
+"""use_implicit_args: argument handling and composition with JAX transformations."""
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import qax
+from tests.helpers import LoraMatrix, Zeros, assert_close, make_lora, primitive_names
+
+KEY = jax.random.PRNGKey(0)
+
+
+def model(params, x):
+    h = jnp.tanh(x @ params["w1"])
+    return jnp.sum(h @ params["w2"]["inner"])
+
+
+def make_params(key):
+    k1, k2 = jax.random.split(key)
+    return {"w1": make_lora(k1, 6, 5), "w2": {"inner": make_lora(k2, 5, 3)}}
+
+
+def dense(params):
+    return jax.tree_util.tree_map(
+        lambda p: p.materialize() if isinstance(p, qax.ImplicitArray) else p,
+        params,
+        is_leaf=lambda p: isinstance(p, qax.ImplicitArray),
+    )
+
+
+def test_pytree_args_and_kwargs_at_any_depth():
+    params = make_params(KEY)
+    x = jax.random.normal(KEY, (4, 6))
+    expected = model(dense(params), x)
+    assert_close(qax.use_implicit_args(model)(params, x), expected)
+    assert_close(qax.use_implicit_args(model)(params=params, x=x), expected)
+
+
+def test_zero_implicit_args_behaves_like_f():
+    f = qax.use_implicit_args(lambda x, y=2.0: jnp.sin(x) * y)
+    assert_close(f(jnp.arange(3.0)), jnp.sin(jnp.arange(3.0)) * 2)
+    assert f.__name__ == "<lambda>"
+
+
+def test_implicit_outputs_and_passthrough():
+    z = Zeros(shape=(3,))
+    out = qax.use_implicit_args(lambda a, b: (a, a * b, {"b": b}))(z, jnp.ones(3))
+    assert isinstance(out[0], Zeros) and isinstance(out[1], Zeros)
+    assert_close(out[2]["b"], jnp.ones(3))
+
+
+@pytest.mark.parametrize(
+    "where", ["outside", "inside"], ids=["jit-outside", "jit-inside"]
+)
+def test_jit(where):
+    params = make_params(KEY)
+    x = jax.random.normal(KEY, (4, 6))
+    expected = model(dense(params), x)
+    if where == "outside":
+        f = jax.jit(qax.use_implicit_args(model))
+    else:
+        f = qax.use_implicit_args(jax.jit(model))
+    assert_close(f(params, x), expected)
+
+
+def test_grad_matches_materialized_gradient():
+    params = make_params(KEY)
+    x = jax.random.normal(KEY, (4, 6))
+    grads = jax.grad(qax.use_implicit_args(model))(params, x)
+    assert isinstance(grads["w1"], LoraMatrix)
+
+    def through_materialize(p):
+        return model(dense(p), x)
+
+    expected = jax.grad(through_materialize)(params)
+    for got, want in zip(
+        jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(expected)
+    ):
+        assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_grad_inside_the_wrapped_function():
+    lora = make_lora(KEY)
+    x = jax.random.normal(KEY, (6,))
+
+    def f(w, x):
+        return jax.grad(lambda x: jnp.sum(jnp.sin(x @ w)))(x)
+
+    assert_close(qax.use_implicit_args(f)(lora, x), f(lora.materialize(), x))
+
+
+def test_vmap_outside_and_inside():
+    lora = make_lora(KEY)
+    xs = jax.random.normal(KEY, (7, 6))
+    f = lambda w, x: jnp.tanh(x @ w)  # noqa: E731
+    expected = jax.vmap(f, in_axes=(None, 0))(lora.materialize(), xs)
+    assert_close(
+        jax.vmap(qax.use_implicit_args(f), in_axes=(None, 0))(lora, xs), expected
+    )
+    inside = qax.use_implicit_args(lambda w, xs: jax.vmap(lambda x: f(w, x))(xs))
+    assert_close(inside(lora, xs), expected)
+
+
+def test_vmap_over_batched_implicit_array():
+    stacked = jax.vmap(lambda k: make_lora(k))(jax.random.split(KEY, 3))
+    assert stacked.shape == (3, 6, 5)
+    x = jax.random.normal(KEY, (6,))
+    out = jax.vmap(qax.use_implicit_args(lambda w: x @ w))(stacked)
+    for i in range(3):
+        one = jax.tree_util.tree_map(lambda leaf, i=i: leaf[i], stacked)
+        assert_close(out[i], x @ one.materialize())
+
+
+def test_vmap_over_shape_only_implicit_array_regression():
+    # Qax and Quax give [12, 12, 12] here: the shape lives only in metadata, so vmap
+    # cannot slice it unless it travels as a leaf.
+    z = Zeros(shape=(3, 4))
+    a = jnp.ones((3, 4))
+    f = lambda z, a: jnp.sum(z + a)  # noqa: E731
+    out = jax.vmap(qax.use_implicit_args(f))(z, a)
+    assert_close(out, jnp.array([4.0, 4.0, 4.0]))
+    assert_close(out, jax.vmap(f)(z.materialize(), a))
+    # the body really saw a (4,) symbolic zero and kept it symbolic
+    seen = []
+    jax.vmap(
+        qax.use_implicit_args(lambda z, a: seen.append(z.shape) or jnp.sum(z + a))
+    )(z, a)
+    assert seen == [(4,)]
+
+
+def test_implicit_arrays_nested_in_each_other():
+    nested = LoraMatrix(jnp.ones((3, 5)), Zeros(shape=(3, 6)), Zeros(shape=(5, 6)))
+    from qax._tree_util import implicit_depth
+
+    assert implicit_depth(nested) == 2
+    x = jnp.arange(3.0)
+    f = lambda w, x: jnp.sum(x @ w)  # noqa: E731
+    with pytest.warns(qax.MaterializationWarning, match="class Zeros"):
+        out = qax.use_implicit_args(f)(nested, x)
+    assert_close(out, f(jnp.ones((3, 5)), x))
+
+
+def test_implicit_arrays_created_inside_the_wrapped_function():
+    def f(x):
+        z = Zeros(shape=x.shape)
+        return jnp.sum(z * x + x)
+
+    assert_close(qax.use_implicit_args(f)(jnp.arange(4.0)), 6.0)
+    jaxpr = jax.make_jaxpr(qax.use_implicit_args(f))(jnp.arange(4.0))
+    assert "mul" not in primitive_names(
+        jaxpr
+    )  # the product with zeros was never formed
+
+
+def test_jaxpr_never_forms_w_plus_ab():
+    lora = make_lora(KEY, 8, 8, 2)
+    x = jax.random.normal(KEY, (3, 8))
+    jaxpr = jax.make_jaxpr(qax.use_implicit_args(lambda w, x: x @ w))(lora, x)
+    shapes = [tuple(v.aval.shape) for e in jaxpr.jaxpr.eqns for v in e.outvars]
+    assert (8, 8) not in shapes  # no dense (8, 8) weight was built
+    assert primitive_names(jaxpr).count("dot_general") == 3
+
+
+def test_tracer_of_another_trace_in_a_handler():
+    # grad over an implicit argument: handler operands are JVP tracers
+    lora = make_lora(KEY)
+    x = jnp.ones((2, 6))
+    g = jax.grad(qax.use_implicit_args(lambda x, w: jnp.sum(x @ w)))(x, lora)
+    assert_close(g, jax.grad(lambda x: jnp.sum(x @ lora.materialize()))(x))
+
+
+def test_output_of_one_call_feeds_another():
+    z = Zeros(shape=(2, 2))
+    double = qax.use_implicit_args(lambda a: a * 2.0)
+    out = double(double(z))
+    assert isinstance(out, Zeros)
+    assert_close(
+        qax.use_implicit_args(lambda a, b: a + b)(out, jnp.ones((2, 2))),
+        jnp.ones((2, 2)),
+    )
+
+
+@dataclass
+class _Pair(qax.ImplicitArray):
+    left: qax.ArrayValue
+    right: qax.ArrayValue
+
+    def materialize(self):
+        return jnp.concatenate([self.left, self.right])
+
+
+def test_implicit_array_with_no_handlers_materializes_with_warning():
+    pair = _Pair(jnp.ones(2), jnp.zeros(3))
+    with pytest.warns(
+        qax.MaterializationWarning, match="Primitive sin was not handled by class _Pair"
+    ):
+        out = qax.use_implicit_args(jnp.sin)(pair)
+    assert_close(out, jnp.sin(pair.materialize()))
