@@ -121,6 +121,30 @@ def hzeros_matmul(primitive, x: jax.Array, z: HZeros, *, dimension_numbers, **pa
     return HZeros(shape=out.shape, dtype=out.dtype)
 
 
+@dataclass
+class HScaled(qax.ImplicitArray):
+    """`x * s` for a scalar `s` (which may be a Python float: a weak-typed leaf)."""
+
+    x: qax.ArrayValue
+    s: qax.ArrayValue
+
+    def materialize(self):
+        return self.x * self.s
+
+    def compute_shape(self):
+        return jnp.shape(self.x)
+
+    def compute_dtype(self):
+        return jnp.result_type(self.x)
+
+
+@qax.primitive_handler("mul")
+def hscaled_mul(primitive, a: HScaled, b: jax.Array):
+    if jnp.ndim(b) != 0:
+        return NotImplemented
+    return HScaled(a.x, a.s * b)
+
+
 # ----------------------------------------------------------------------------------------
 # Values
 
@@ -232,6 +256,16 @@ def all_eqns(jaxpr):
             for sub in param if isinstance(param, (tuple, list)) else [param]:
                 if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
                     yield from all_eqns(sub)
+
+
+def weight_shaped_sums(jaxpr, shapes) -> list:
+    """The `add`/`add_any` equations whose result has one of `shapes`."""
+    return [
+        e
+        for e in all_eqns(jaxpr)
+        if e.primitive.name in ("add", "add_any")
+        and tuple(e.outvars[0].aval.shape) in shapes
+    ]
 
 
 def forms_full_lora(jaxpr, d_in: int, d_out: int, rank: int) -> bool:

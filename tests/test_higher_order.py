@@ -15,6 +15,7 @@ from _ho_types import (
     ALL_MODES,
     MODES,
     HLora,
+    HScaled,
     HZeros,
     assert_close,
     check_mode,
@@ -23,6 +24,7 @@ from _ho_types import (
     keys,
     make_lora,
     materializations,
+    weight_shaped_sums,
 )
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
@@ -81,6 +83,12 @@ def test_nested_jit_body_is_cached(monkeypatch):
     for _ in range(2):
         jax.make_jaxpr(qax.use_implicit_args(f))(make_lora(), X)
     assert calls.count("_inner_matmul") <= 1
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_nested_inline_jit(mode):
+    inner = jax.jit(lambda x, w: jnp.tanh(x @ w), inline=True)
+    check_mode(mode, lambda w, x: inner(x, w), make_lora(), X)
 
 
 def test_nested_jit_returns_implicit_output():
@@ -263,6 +271,63 @@ def test_scan_carry_becoming_implicit_is_materialized_with_warning():
     assert_close(out, f(dense(z), X))
 
 
+def _module_level_layer(c, w):
+    return jnp.tanh(c @ w), None
+
+
+def test_scan_body_is_cached(monkeypatch):
+    calls = []
+    original = _higher_order.trace_body
+
+    def counting(*args, **kwargs):
+        calls.append(args[3])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(_higher_order, "trace_body", counting)
+
+    def f(ws, x):
+        return lax.scan(_module_level_layer, x, ws)[0]
+
+    for _ in range(3):
+        jax.make_jaxpr(qax.use_implicit_args(f))(make_lora(5, 5, lead=(3,)), X)
+    assert calls.count("lax.scan") == 1
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_scan_carry_leaf_changing_weak_type(mode):
+    # The scale starts as a Python float (weak) and becomes a strong float32.
+    def f(c, xs):
+        return lax.scan(lambda c, x: (c * x, None), c, xs)[0]
+
+    def run(xs):
+        out = qax.use_implicit_args(f)(HScaled(jnp.ones(3), 1.0), xs)
+        assert isinstance(out, HScaled)
+        return out
+
+    xs = jnp.arange(1.0, 4.0)
+    got = (jax.jit(run) if mode == "jit" else run)(xs)
+    assert_close(got, f(jnp.ones(3), xs))
+
+
+@pytest.mark.parametrize("primitive", ["jit", "cond", "scan", "checkpoint", "copy"])
+def test_implicit_built_inside_jit_with_python_scalar_leaf(primitive):
+    ops = {
+        "jit": lambda c: jax.jit(lambda c: c * 2.0)(c),
+        "cond": lambda c: lax.cond(True, lambda c: c * 2.0, lambda c: c * 3.0, c),
+        "scan": lambda c: lax.scan(lambda c, _: (c * 2.0, None), c, None, length=1)[0],
+        "checkpoint": jax.checkpoint(lambda c: c * 2.0),
+        "copy": lambda c: jnp.copy(c) * 2.0,
+    }
+
+    @jax.jit
+    def run():
+        out = qax.use_implicit_args(ops[primitive])(HScaled(jnp.ones(3), 1.0))
+        assert isinstance(out, HScaled)
+        return out
+
+    assert_close(run(), 2.0 * jnp.ones(3))
+
+
 def test_scan_xs_with_unstacked_leaves_is_materialized():
     lora = make_lora(4, 4)  # w is (4, 4) but a, b are (4, 2): not stacked along axis 0
 
@@ -428,6 +493,32 @@ def test_relu_of_symbolic_zeros_stays_implicit():
         return qax.use_implicit_args(lambda x, z: jnp.sum(jax.nn.relu(z) * x + x))(x, z)
 
     assert_close(jax.grad(loss)(jnp.ones(3), HZeros(shape=(3,))), jnp.ones(3))
+
+
+@jax.custom_jvp
+def matmul_symbolic_rule(x, w):
+    return x @ w
+
+
+@functools.partial(matmul_symbolic_rule.defjvp, symbolic_zeros=True)
+def _matmul_symbolic_rule_jvp(primals, tangents):
+    x, w = primals
+    dx, dw = tangents
+    out = matmul_symbolic_rule(x, w)
+    dout = jnp.zeros_like(out)
+    if not isinstance(dx, jax.custom_derivatives.SymbolicZero):
+        dout = dout + 3.0 * (dx @ w)  # deliberately three times the true derivative
+    if not isinstance(dw, jax.custom_derivatives.SymbolicZero):
+        dout = dout + x @ dw
+    return out, dout
+
+
+@pytest.mark.parametrize("argnums", [0, 1], ids=["wrt_implicit", "wrt_dense"])
+def test_custom_jvp_with_symbolic_zeros(argnums):
+    def f(w, x):
+        return jnp.tanh(matmul_symbolic_rule(x, w))
+
+    check_mode("jit_grad", f, make_lora(), X, argnums=argnums)
 
 
 @jax.custom_vjp
@@ -605,6 +696,7 @@ def test_lora_training_step_keeps_weights_implicit():
     names = all_eqn_names(jaxpr)
     assert "scan" in names and "remat2" in names
     assert not forms_full_lora(jaxpr, d, d, rank)
+    assert not weight_shaped_sums(jaxpr, [(d, d), (n_layers, d, d)])
 
 
 # ----------------------------------------------------------------------------------------
