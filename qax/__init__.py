@@ -2,7 +2,9 @@
 
 from . import _higher_order as _higher_order  # noqa: F401 (registers structural rules)
 from . import constants as constants
+from . import symbols as symbols
 from . import testing as testing
+from . import utils as utils
 from ._audit import materialization_audit as materialization_audit
 from ._audit import materialization_policy as materialization_policy
 from ._base import ImplicitBase as ImplicitBase
@@ -18,6 +20,7 @@ from ._implicit_array import ImplicitArray as ImplicitArray
 from ._implicit_array import aux_field as aux_field
 from ._interpreter import materialize_nested as materialize_nested
 from ._interpreter import use_implicit_args as use_implicit_args
+from ._optax import freeze_keys as freeze_keys
 from ._tree_util import EmptyNode as EmptyNode
 
 __version__ = "0.1.0"
@@ -35,10 +38,13 @@ __all__ = [
     "constants",
     "default_handler",
     "explain",
+    "freeze_keys",
     "materialization_audit",
     "materialization_policy",
     "materialize_nested",
     "primitive_handler",
+    "symbols",
     "testing",
     "use_implicit_args",
+    "utils",
 ]

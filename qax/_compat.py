@@ -66,17 +66,28 @@ def is_eval_trace(trace: Trace) -> bool:
 
 
 def bind_with_trace(trace: Trace, primitive: Primitive, args, params):
-    """Bind `primitive` on `trace` with already canonical `args`."""
+    """Bind `primitive` on `trace`, canonicalizing non-tracer `args` as `bind` does.
+
+    (NumPy arrays reach here as leaves of implicit arrays built inside handlers, e.g.
+    their zero-size shape witness; staging traces reject non-canonical constants.)
+    """
+    args = [a if isinstance(a, Tracer) else _dtypes.canonicalize_value(a) for a in args]
     return primitive.bind_with_trace(trace, args, tuple(map(typeof, args)), params)
 
 
-def bind_leaves(trace: Trace, primitive: Primitive, leaves, params):
-    """`bind_with_trace` for the leaves of implicit arrays, which may be raw values.
+def known_constant(x):
+    """The value of a `jit` tracer that stands for a known constant, else None.
 
-    Leaves built outside any trace (NumPy arrays, Python scalars) are canonicalized
-    first, as `Primitive.bind` would do.
+    Inside a traced function, a Python scalar that JAX promotes (``x * 2`` with a float
+    ``x``) reaches other traces as a tracer of the staging trace, although its value is
+    a literal; symbolic constants fold such operands.
     """
-    return bind_with_trace(trace, primitive, [canonicalize_value(x) for x in leaves], params)
+    if isinstance(x, _pe.DynamicJaxprTracer):
+        try:
+            return x.get_const()
+        except Exception:  # noqa: BLE001 (no constant: an ordinary tracer)
+            return None
+    return None
 
 
 def user_source_line() -> str | None:

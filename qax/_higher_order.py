@@ -40,7 +40,7 @@ from ._compat import (
     SymbolicZero,
     Tracer,
     Zero,
-    bind_leaves,
+    bind_with_trace,
     convert_constvars_jaxpr,
     current_trace,
     eval_jaxpr,
@@ -329,7 +329,7 @@ def _jit_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list
         out_shardings=_per_leaf(out_vals, params["out_shardings"], sharding),
         out_layouts=_per_leaf(out_vals, params["out_layouts"], _const(None)),
     )
-    outs = bind_leaves(trace.parent_trace, primitive, _leaves(vals), new_params)
+    outs = bind_with_trace(trace.parent_trace, primitive, _leaves(vals), new_params)
     return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 
 
@@ -364,7 +364,7 @@ def _cond_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> lis
         _store(branches[0], key, plan, traced)
     else:
         replay(plan.events)
-    outs = bind_leaves(
+    outs = bind_with_trace(
         trace.parent_trace,
         primitive,
         [index, *plan.consts, *_leaves(ops)],
@@ -640,7 +640,7 @@ def _scan_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> lis
         num_carry=len(flat_carry),
     )
     operands = [*hoisted, *flat_consts, *flat_carry, *_leaves(xs)]
-    outs = bind_leaves(trace.parent_trace, primitive, operands, new_params)
+    outs = bind_with_trace(trace.parent_trace, primitive, operands, new_params)
     return jax.tree_util.tree_unflatten(plan.traced.out_tree, outs)
 
 
@@ -693,7 +693,7 @@ def _while_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> li
         *flat_body_consts,
         *_leaves(carry),
     ]
-    outs = bind_leaves(trace.parent_trace, primitive, operands, new_params)
+    outs = bind_with_trace(trace.parent_trace, primitive, operands, new_params)
     return jax.tree_util.tree_unflatten(plan.traced.out_tree, outs)
 
 
@@ -721,7 +721,7 @@ def _remat_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> li
         prevent_cse = (True,) * len(hoisted) + per_leaf
     new_params = dict(params, jaxpr=body_jaxpr.jaxpr, prevent_cse=prevent_cse)
     operands = [*hoisted, *_leaves(vals)]
-    outs = bind_leaves(trace.parent_trace, primitive, operands, new_params)
+    outs = bind_with_trace(trace.parent_trace, primitive, operands, new_params)
     return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 
 
@@ -939,7 +939,7 @@ def _implicit_jvp(f, tag, in_tree, info: _Outputs, name, symbolic_zeros, *args):
 def _custom_jvp_rule(trace, primitive, fun, jvp, vals, *, symbolic_zeros):
     if not _has_implicit(vals):
         params = dict(subfuns=(fun, jvp), symbolic_zeros=symbolic_zeros)
-        return bind_leaves(trace.parent_trace, primitive, vals, params)
+        return bind_with_trace(trace.parent_trace, primitive, vals, params)
     in_tree, name, info = jax.tree_util.tree_structure(vals), _fun_name(fun), _Outputs()
     settle = (name, primitive.name)
     fun2 = transformation2(_implicit_fun, fun, trace.tag, in_tree, info, settle)
@@ -947,7 +947,7 @@ def _custom_jvp_rule(trace, primitive, fun, jvp, vals, *, symbolic_zeros):
         _implicit_jvp, jvp, trace.tag, in_tree, info, name, symbolic_zeros
     )
     params = dict(subfuns=(fun2, jvp2), symbolic_zeros=symbolic_zeros)
-    outs = bind_leaves(trace.parent_trace, primitive, _leaves(vals), params)
+    outs = bind_with_trace(trace.parent_trace, primitive, _leaves(vals), params)
     return [trace.wrap(o) for o in jax.tree_util.tree_unflatten(info.tree, outs)]
 
 
@@ -1021,7 +1021,7 @@ def _custom_vjp_rule(
         params = dict(
             subfuns=(fun, fwd, bwd), out_trees=out_trees, symbolic_zeros=symbolic_zeros
         )
-        return bind_leaves(trace.parent_trace, primitive, vals, params)
+        return bind_with_trace(trace.parent_trace, primitive, vals, params)
     in_tree, name, info = jax.tree_util.tree_structure(vals), _fun_name(fun), _Outputs()
     in_implicit = tuple(isinstance(v, ImplicitBase) for v in vals)
     settle = (name, primitive.name)
@@ -1037,7 +1037,7 @@ def _custom_vjp_rule(
     params = dict(
         subfuns=(fun2, fwd2, bwd2), out_trees=out_trees2, symbolic_zeros=symbolic_zeros
     )
-    outs = bind_leaves(trace.parent_trace, primitive, _leaves(vals), params)
+    outs = bind_with_trace(trace.parent_trace, primitive, _leaves(vals), params)
     return [trace.wrap(o) for o in jax.tree_util.tree_unflatten(info.tree, outs)]
 
 
@@ -1169,7 +1169,9 @@ def _leafwise_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) ->
                 _SINGLE[primitive](params, value, leaf) if _has_data(leaf) else None
             )
             if leaf_params is not None:
-                leaf = bind_leaves(trace.parent_trace, primitive, [leaf], leaf_params)
+                leaf = bind_with_trace(
+                    trace.parent_trace, primitive, [leaf], leaf_params
+                )
             out.append(leaf)
         return jax.tree_util.tree_unflatten(tree, out)
 
@@ -1179,7 +1181,7 @@ def _leafwise_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) ->
     for name in _MULTI[primitive]:
         per_leaf = _per_leaf(vals, params[name], _device_put_entry(name))
         new_params[name] = tuple(per_leaf[i] for i in keep)
-    results = bind_leaves(
+    results = bind_with_trace(
         trace.parent_trace, primitive, [flat[i] for i in keep], new_params
     )
     for i, result in zip(keep, results, strict=True):
