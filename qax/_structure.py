@@ -33,10 +33,9 @@ def _shape_dtype(x: Any) -> tuple[tuple[int, ...], np.dtype]:
 
 
 def describe(x: Any) -> str:
-    """A short description such as ``HLora[5,6]:float32`` or ``f32[5,6]``."""
-    shape, dtype = _shape_dtype(x)
+    """A short description: the implicit array's repr (fields, metadata), or an aval."""
     if is_implicit(x):
-        return f"{type(x).__name__}{list(shape)}:{dtype.name}"
+        return repr(x)
     return (x if isinstance(x, ShapedArray) else typeof(x)).str_short()
 
 

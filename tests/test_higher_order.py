@@ -736,3 +736,25 @@ def test_common_prefix_rejects_incompatible_trees():
         _structure.get_common_prefix_transforms([HZeros(shape=(2,)), jnp.ones(3)])
     with pytest.raises(ValueError, match="structure"):
         _structure.get_common_prefix_transforms([[jnp.ones(2)], (jnp.ones(2),)])
+
+
+# ----------------------------------------------------------------------------------------
+# The built-in symbolic constants through control flow
+
+
+def test_symbolic_constants_through_control_flow():
+    from qax.symbols import SymbolicConstant
+
+    zeros = SymbolicConstant(0.0, shape=(5, 4), dtype=jnp.float32)
+    twos = SymbolicConstant(2.0, shape=(5, 4), dtype=jnp.float32)
+
+    def f(zs, ts, c):
+        c, ys = lax.scan(lambda c, z: (c + z, jax.nn.relu(z) * 3.0), c, zs)
+        same = lax.cond(c.sum() > 0, lambda t: t + 0.0, lambda t: t * 1.0, ts)
+        return c, ys, same
+
+    for run in (qax.use_implicit_args(f), jax.jit(qax.use_implicit_args(f))):
+        c, ys, same = run(zeros, twos, jnp.ones(4))
+        assert isinstance(ys, SymbolicConstant) and ys.shape == (5, 4)
+        assert isinstance(same, SymbolicConstant) and same.value == 2.0
+        assert_close(c, jnp.ones(4))
