@@ -10,14 +10,17 @@ import sys
 
 import jax
 import jax.extend.core as jex_core
+from jax._src import ad_util as _ad_util
 from jax._src import core as _core
 from jax._src import dtypes as _dtypes
 from jax._src import linear_util as _lu
 from jax._src import source_info_util as _source_info
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
+from jax._src.lax.control_flow.common import _merge_common_consts
 from jax._src.shard_map import shard_map_p as shard_map_p
 from jax._src.sharding_impls import UNSPECIFIED as UNSPECIFIED
+from jax._src.tree_util import FlatTree as FlatTree
 
 Trace = _core.Trace
 Tracer = _core.Tracer
@@ -147,7 +150,39 @@ def register_exclusion(path: str) -> None:
     _source_info.register_exclusion(path)
 
 
+def forget_arg_names(debug_info: DebugInfo | None) -> DebugInfo | None:
+    """`debug_info` without argument names (for a function that now takes leaves)."""
+    return None if debug_info is None else debug_info.with_unknown_names()
+
+
 def make_debug_info(name: str) -> DebugInfo:
     return DebugInfo("qax", name, None, None)
 
 
+# -- used by the higher-order rules (`qax/_higher_order.py`) ------------------------------
+
+pvary_p = getattr(_core, "pvary_p", None)
+Zero = _ad_util.Zero
+SymbolicZero = _ad_util.SymbolicZero
+
+
+def transformation2(gen, fun, *static_args):
+    """`fun` (a `WrappedFun`) with one more transformation: `gen(f, *static_args, *args)`.
+
+    The result shares `fun`'s output stores, so JAX can reset them before a re-trace.
+    Its argument names are forgotten: the transformation may change their number.
+    """
+    return _lu.transformation2(gen)(fun, *static_args).with_unknown_names()
+
+
+mapped_aval = jex_core.mapped_aval
+separate_consts = _pe.separate_consts
+
+
+def merge_common_consts(jaxprs, all_consts):
+    """Give branches (consts already turned into leading inputs) one shared const list.
+
+    Returns the padded jaxprs (every branch takes every constant, in the same order)
+    and the de-duplicated constants: what `lax.cond` itself does before binding.
+    """
+    return _merge_common_consts(jaxprs, all_consts)

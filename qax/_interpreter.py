@@ -68,6 +68,9 @@ class MaterializationEvent:
     shape: tuple[int, ...]
     dtype: Any
     source: str | None
+    # A specific explanation (e.g. "the carry of a scan changed structure"), warned
+    # instead of the standard "was not handled" text.
+    reason: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -81,6 +84,11 @@ _listeners: contextvars.ContextVar[tuple[Callable[[MaterializationEvent], None],
 )
 _recorders: contextvars.ContextVar[tuple[list, ...]] = contextvars.ContextVar(
     "qax_recorders", default=()
+)
+# Set while a body is traced that may be thrown away (a loop traced again with another
+# carry structure): its events are collected here and reported later with `replay`.
+_held: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "qax_held", default=None
 )
 
 def _package_dir(module: Any) -> str:
@@ -118,6 +126,20 @@ def _recording(into: list) -> Iterator[None]:
         _recorders.reset(token)
 
 
+@contextlib.contextmanager
+def holding_reports(into: list) -> Iterator[None]:
+    """Collect the events reported inside into `into` instead of reporting them.
+
+    Recorders opened inside still see them; the caller `replay`s the ones that count.
+    """
+    held, recorders = _held.set(into), _recorders.set(())
+    try:
+        yield
+    finally:
+        _recorders.reset(recorders)
+        _held.reset(held)
+
+
 def _source_line() -> str | None:
     """`file:line (function)` of the user code behind a materialization.
 
@@ -153,6 +175,10 @@ def report(event: MaterializationEvent) -> None:
     """Record `event`, then apply its policy: nothing, a warning, or an error."""
     for recorder in _recorders.get():
         recorder.append(event)
+    held = _held.get()
+    if held is not None:
+        held.append(event)
+        return
     for listener in _listeners.get():
         listener(event)
     policy, why = decide_policy[0](event)
@@ -160,7 +186,7 @@ def report(event: MaterializationEvent) -> None:
         phase = "backward" if in_backward_pass() else "forward"
         raise _errors.MaterializationError(event, why, phase)
     if policy == "warn":
-        message = _errors.MATERIALIZE_WARNING.format(
+        message = event.reason or _errors.MATERIALIZE_WARNING.format(
             primitive=event.primitive, cls=event.cls.__name__
         )
         warnings.warn(message, _errors.MaterializationWarning, stacklevel=_stacklevel())

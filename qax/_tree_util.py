@@ -40,28 +40,38 @@ def tree_flatten_with_implicit(tree: Any, is_leaf: Callable[[Any], bool] | None 
 
 
 def tree_flatten_with_path_with_implicit(tree: Any, is_leaf=None):
+    """`jax.tree_util.tree_flatten_with_path`, keeping implicit arrays whole as leaves."""
     return jax.tree_util.tree_flatten_with_path(tree, is_leaf=_combine_leaf(is_leaf))
 
 
 def tree_leaves_with_implicit(tree: Any, is_leaf=None) -> list[Any]:
+    """`jax.tree_util.tree_leaves`, keeping implicit arrays whole as leaves."""
     return jax.tree_util.tree_leaves(tree, is_leaf=_combine_leaf(is_leaf))
 
 
 def tree_structure_with_implicit(tree: Any, is_leaf=None):
+    """`jax.tree_util.tree_structure`, keeping implicit arrays whole as leaves."""
     return jax.tree_util.tree_structure(tree, is_leaf=_combine_leaf(is_leaf))
 
 
 def tree_map_with_implicit(f: Callable, tree: Any, *rest: Any, is_leaf=None) -> Any:
+    """`jax.tree_util.tree_map`, calling `f` on implicit arrays instead of their leaves.
+
+    >>> tree_map_with_implicit(lambda x: x.shape, {"w": lora, "b": jnp.ones(3)})
+    {'b': (3,), 'w': (6, 5)}
+    """
     return jax.tree_util.tree_map(f, tree, *rest, is_leaf=_combine_leaf(is_leaf))
 
 
 def tree_map_with_path_with_implicit(f: Callable, tree: Any, *rest: Any, is_leaf=None):
+    """`jax.tree_util.tree_map_with_path`, calling `f` on implicit arrays whole."""
     return jax.tree_util.tree_map_with_path(
         f, tree, *rest, is_leaf=_combine_leaf(is_leaf)
     )
 
 
 def tree_unflatten(treedef, leaves):
+    """`jax.tree_util.tree_unflatten` (works for treedefs from any of these helpers)."""
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 

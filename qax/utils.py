@@ -5,6 +5,7 @@ from ._optax import apply_updates as apply_updates
 from ._optax import freeze_keys as freeze_keys
 from ._optax import freeze_subtrees as freeze_subtrees
 from ._optax import set_to_zero_scalar as set_to_zero_scalar
+from ._structure import get_common_prefix_transforms as get_common_prefix_transforms
 from ._tree_util import EmptyNode as EmptyNode
 from ._tree_util import flatten_one_implicit_layer as flatten_one_implicit_layer
 from ._tree_util import implicit_depth as implicit_depth
@@ -27,6 +28,7 @@ __all__ = [
     "flatten_one_implicit_layer",
     "freeze_keys",
     "freeze_subtrees",
+    "get_common_prefix_transforms",
     "implicit_depth",
     "materialize_nested",
     "set_to_zero_scalar",
