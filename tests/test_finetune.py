@@ -11,19 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import qax
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "notebooks" / "lora_finetune.py"
 TINY = [
     "--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "32",
     "--batch-size", "8", "--rank", "2", "--lr", "2e-2",
 ]  # fmt: skip
-
-needs_freeze_keys = pytest.mark.skipif(
-    not hasattr(getattr(qax, "utils", None), "freeze_keys"),
-    reason="needs qax.utils.freeze_keys (symbols-optax branch, not merged yet)",
-)
 
 
 @pytest.fixture
@@ -37,7 +30,6 @@ def walkthrough(monkeypatch):
         sys.modules.pop(name, None)
 
 
-@needs_freeze_keys
 def test_loss_falls_and_frozen_weights_are_bitwise_unchanged(walkthrough):
     lora_finetune, models = walkthrough
     result = lora_finetune.main([*TINY, "--steps", "60", "--seed", "3", "--quiet"])
@@ -82,7 +74,6 @@ def test_loss_falls_and_frozen_weights_are_bitwise_unchanged(walkthrough):
     assert result.merge_error < 1e-4
 
 
-@needs_freeze_keys
 def test_command_line_prints_progress_and_summary():
     env = dict(
         os.environ,
