@@ -284,7 +284,12 @@ def main(argv=None) -> Result:
 
     rng = np.random.default_rng(args.seed)
     losses, seconds = [], []
-    steps = tqdm(range(1, args.steps + 1), desc="LoRA fine-tuning", disable=args.quiet)
+    steps = tqdm(
+        range(1, args.steps + 1),
+        desc="LoRA fine-tuning",
+        unit="step",
+        disable=args.quiet,
+    )
     for step in steps:
         windows = random_windows(rng, train_ids, args.batch_size, args.seq_len)
         start = time.perf_counter()
