@@ -41,11 +41,13 @@ from ._compat import (
     Tracer,
     Zero,
     bind_with_trace,
+    canonicalize_value,
     convert_constvars_jaxpr,
     current_trace,
     eval_jaxpr,
     forget_arg_names,
     is_eval_trace,
+    jaxpr_as_fun,
     make_debug_info,
     mapped_aval,
     merge_common_consts,
@@ -302,11 +304,13 @@ def _leaf_sharding(sharding: Any, value: ImplicitBase, leaf: Any, fallback: Any)
 
 def _jit_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list:
     closed = params["jaxpr"]
-    if params.get("inline") and not is_eval_trace(trace.parent_trace):
-        # The parent would inline this body anyway: interpret it in place.
-        with set_current_trace(trace):
-            outs = eval_jaxpr(closed.jaxpr, closed.consts, *map(trace.wrap, vals))
-        return _unwrap_all(trace, outs)
+    if params.get("inline"):
+        if not is_eval_trace(trace.parent_trace):
+            # The parent would inline this body anyway: interpret it in place.
+            with set_current_trace(trace):
+                outs = eval_jaxpr(closed.jaxpr, closed.consts, *map(trace.wrap, vals))
+            return _unwrap_all(trace, outs)
+        return _eager_inline_jit(trace, closed, vals, params["name"])
 
     key = _signature(vals)
     traced = _cached(closed, key)
@@ -330,6 +334,48 @@ def _jit_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list
         out_layouts=_per_leaf(out_vals, params["out_layouts"], _const(None)),
     )
     outs = bind_with_trace(trace.parent_trace, primitive, _leaves(vals), new_params)
+    return jax.tree_util.tree_unflatten(traced.out_tree, outs)
+
+
+def _is_python_scalar(x: Any) -> bool:
+    """A concrete, weakly typed 0-d operand: what a Python number becomes in `jnp`."""
+    if isinstance(x, (ImplicitBase, Tracer)):
+        return False
+    try:
+        aval = typeof(x)
+    except TypeError:
+        return False
+    return aval.weak_type and not aval.shape
+
+
+def _eager_inline_jit(trace: ImplicitTrace, closed, vals: list, name: str) -> list:
+    """A `jnp` function called eagerly on implicit values.
+
+    Its body is re-traced once per input signature and compiled; later calls go through
+    `jax.jit`'s fast dispatch path. Python scalars are baked into the body, as a traced
+    program would see them as literals (so that, e.g., symbolic constants fold).
+    """
+    baked = {
+        i: canonicalize_value(v) for i, v in enumerate(vals) if _is_python_scalar(v)
+    }
+    dynamic = [v for i, v in enumerate(vals) if i not in baked]
+    scalars = tuple((i, np.asarray(v).item(), typeof(v)) for i, v in baked.items())
+    key = _signature(dynamic, "eager", scalars)
+    entry = _cached(closed, key)
+    if entry is None:
+
+        def body(wrapped):
+            it = iter(wrapped)
+            args = [baked[i] if i in baked else next(it) for i in range(len(vals))]
+            return eval_jaxpr(closed.jaxpr, closed.consts, *args)
+
+        traced, _ = trace_body(trace, body, dynamic, name)
+        entry = (traced, jax.jit(jaxpr_as_fun(traced.jaxpr)))
+        _store(closed, key, entry, [traced])
+    else:
+        replay(entry[0].events)
+    traced, compiled = entry
+    outs = compiled(*_leaves(dynamic))
     return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 
 

@@ -198,3 +198,16 @@ def test_implicit_array_with_no_handlers_materializes_with_warning():
     ):
         out = qax.use_implicit_args(jnp.sin)(pair)
     assert_close(out, jnp.sin(pair.materialize()))
+
+
+def test_eager_jnp_calls_bake_python_scalars_like_a_traced_program():
+    # Eagerly, `z * 2.0` reaches qax as a compiled jnp function with the scalar as an
+    # operand; it must see the literal as a traced program does (so the handler's
+    # result is the same implicit type, not a dense array).
+    z = Zeros(shape=(2, 3))
+    eager = qax.use_implicit_args(lambda a: a * 2.0)(z)
+    traced = jax.jit(qax.use_implicit_args(lambda a: a * 2.0))(z)
+    assert type(eager) is type(traced) is Zeros
+    # repeated eager calls reuse the compiled body (a different scalar is a new entry)
+    for scale in (2.0, 2.0, 3.0):
+        assert isinstance(qax.use_implicit_args(lambda a, s=scale: a * s)(z), Zeros)
