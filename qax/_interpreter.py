@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -40,6 +41,7 @@ from ._compat import (
     current_trace,
     ensure_no_leaks,
     in_backward_pass,
+    is_eval_trace,
     set_current_trace,
     traced_source_line,
     typeof,
@@ -496,17 +498,44 @@ def use_implicit_args(f: Callable) -> Callable:
     @functools.wraps(f)
     def implicit_f(*args, **kwargs):
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_implicit)
-        trace = ImplicitTrace(current_trace(), TraceTag())
+        parent = current_trace()
+        reused = _eager_trace(parent)
+        trace = reused or ImplicitTrace(parent, TraceTag())
         token = check_declared_avals.set(False)
         try:
             out = _run(trace, f, leaves, treedef)
         finally:
             check_declared_avals.reset(token)
-        with ensure_no_leaks(trace):
-            del trace
+            if reused is not None:
+                _eager.in_use = False
+        if reused is None:
+            with ensure_no_leaks(trace):
+                del trace
         return out
 
     return implicit_f
+
+
+_eager = threading.local()
+
+
+def _eager_trace(parent: Trace) -> ImplicitTrace | None:
+    """The thread's reusable trace for eager calls, if it applies and is free.
+
+    JAX keys its caches of `jit` traces (every `jnp` function is a jit) on the current
+    trace: a new trace per eager call would miss them every time and grow them without
+    bound. Eager calls therefore share one trace per thread, unless a call is already
+    using it (nesting) or tracer-leak checking is on (which needs a trace per call).
+    """
+    if not is_eval_trace(parent) or jax.config.jax_check_tracer_leaks:
+        return None
+    if getattr(_eager, "in_use", False):
+        return None
+    trace = getattr(_eager, "trace", None)
+    if trace is None or trace.parent_trace is not parent:
+        trace = _eager.trace = ImplicitTrace(parent, TraceTag())
+    _eager.in_use = True
+    return trace
 
 
 def enter_current_trace(values: tuple) -> tuple | None:

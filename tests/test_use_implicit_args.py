@@ -211,3 +211,40 @@ def test_eager_jnp_calls_bake_python_scalars_like_a_traced_program():
     # repeated eager calls reuse the compiled body (a different scalar is a new entry)
     for scale in (2.0, 2.0, 3.0):
         assert isinstance(qax.use_implicit_args(lambda a, s=scale: a * s)(z), Zeros)
+
+
+@pytest.fixture
+def without_leak_checks():
+    previous = jax.config.jax_check_tracer_leaks
+    jax.config.update("jax_check_tracer_leaks", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_check_tracer_leaks", previous)
+
+
+def test_eager_calls_reuse_jax_trace_caches(without_leak_checks):
+    from jax._src import pjit
+
+    x = jnp.ones((4, 3))
+    lora = make_lora(KEY, 3, 5)
+    f = qax.use_implicit_args(lambda x, w: jnp.exp(x @ w))
+    for _ in range(3):
+        f(x, lora)
+    before = pjit._infer_params_cached.cache_info().currsize
+    for _ in range(20):
+        out = f(x, lora)
+    assert pjit._infer_params_cached.cache_info().currsize - before < 5
+    assert_close(out, jnp.exp(x @ lora.materialize()))
+
+
+def test_eager_calls_nested_in_handlers_get_their_own_trace(without_leak_checks):
+    # the outer call holds the shared eager trace; a handler running eagerly calls
+    # use_implicit_args again (on the parent trace), which must not share it.
+    nested = LoraMatrix(jnp.ones((3, 5)), Zeros(shape=(3, 2)), Zeros(shape=(5, 2)))
+    inner = qax.use_implicit_args(lambda a, b: a + b)
+    with pytest.warns(qax.MaterializationWarning):
+        out = qax.use_implicit_args(
+            lambda w, x: x @ w + inner(Zeros(shape=(5,)), x @ w)
+        )(nested, jnp.arange(3.0))
+    assert_close(out, 2 * (jnp.arange(3.0) @ jnp.ones((3, 5))))
