@@ -1,0 +1,285 @@
+"""Per-op eager dispatch cost of qax, and tracing a model whose biases are symbolic zeros.
+
+Part 1, eager ops: each op runs as ``qax.use_implicit_args(op)(implicit, ...)`` outside any
+`jax.jit` and is compared with the same computation written on dense arrays (what a user
+would write without qax), and, where that differs, with the bare dense op:
+
+- ``x @ lora``: the `dot_general` handler (three matmuls) vs ``x @ w + (x @ a) @ b.T``;
+- ``lora + 1``: no handler, so the LoRA is materialized (the warning is part of the cost);
+- ``jnp.sum(zeros + x)``: an `add` handler returning ``x``;
+- ``zeros * x``: a `mul` handler returning a new `Zeros` (no array op at all);
+- ``jnp.exp(x)``: no implicit argument, i.e. the bare cost of the wrapper.
+
+Part 2, symbolic zeros while tracing: `jax.make_jaxpr` of the GPT-style model of
+`bench_lora.py` (dense weights) whose biases are all `Zeros` (with `add`, `mul` and
+`broadcast_in_dim` handlers defined here) vs the same model with dense zero biases.
+
+Run from the repository root:
+
+    PYTHONPATH=. python benchmarks/bench_dispatch.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import qax  # noqa: E402
+from _timing import (  # noqa: E402
+    fmt_seconds,
+    interleaved,
+    markdown_table,
+    median,
+    paired_ratio,
+)
+from bench_lora import (  # noqa: E402
+    Config,
+    LoraMatrix,
+    dense_linear,
+    fresh,
+    init_params,
+    make_loss,
+)
+
+# ----------------------------------------------------------------------------------------
+# A symbolic zero type (public qax API only)
+
+
+class Zeros(qax.ImplicitArray):
+    """An all-zero array that is never stored."""
+
+    default_dtype = jnp.float32
+
+    def materialize(self):
+        return jnp.zeros(self.shape, self.dtype)
+
+
+def _broadcast(a, b):
+    return jnp.broadcast_shapes(a.shape, b.shape), jnp.result_type(a.dtype, b.dtype)
+
+
+@qax.primitive_handler("add")
+def zeros_add(primitive, a: Zeros, b: qax.ArrayValue):
+    shape, dtype = _broadcast(a, b)
+    if isinstance(b, Zeros):
+        return Zeros(shape=shape, dtype=dtype)
+    return jnp.broadcast_to(b, shape).astype(dtype)
+
+
+@qax.primitive_handler("mul")
+def zeros_mul(primitive, a: Zeros, b: qax.ArrayValue):
+    shape, dtype = _broadcast(a, b)
+    return Zeros(shape=shape, dtype=dtype)
+
+
+@qax.primitive_handler("broadcast_in_dim")
+def zeros_broadcast(primitive, a: Zeros, *, shape, broadcast_dimensions, sharding):
+    return Zeros(shape=shape, dtype=a.dtype)
+
+
+# ----------------------------------------------------------------------------------------
+# Part 1: eager ops
+
+
+def eager_rows(reps: int, inner: int) -> list[list[str]]:
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    n, d, r = 8, 64, 4
+    x = jax.random.normal(keys[0], (n, d))
+    w = jax.random.normal(keys[1], (d, d))
+    a = jax.random.normal(keys[2], (d, r))
+    b = jax.random.normal(keys[3], (d, r))
+    lora = LoraMatrix(w, a, b)
+    zeros, zeros_dense = Zeros(shape=(n, d)), jnp.zeros((n, d))
+    implicit = qax.use_implicit_args
+
+    # name -> (qax call, same computation on dense arrays, bare dense op or None)
+    cases = {
+        "x @ lora": (
+            lambda: implicit(lambda x, m: x @ m)(x, lora),
+            lambda: x @ w + (x @ a) @ b.T,
+            lambda: x @ w,
+        ),
+        "lora + 1 (materializes)": (
+            lambda: implicit(lambda m: m + 1)(lora),
+            lambda: (w + a @ b.T) + 1,
+            lambda: w + 1,
+        ),
+        "jnp.sum(zeros + x)": (
+            lambda: implicit(lambda z, x: jnp.sum(z + x))(zeros, x),
+            lambda: jnp.sum(zeros_dense + x),
+            None,
+        ),
+        "zeros * x": (
+            lambda: implicit(lambda z, x: z * x)(zeros, x),
+            lambda: zeros_dense * x,
+            None,
+        ),
+        "jnp.exp(x) (no implicit arg)": (
+            lambda: implicit(jnp.exp)(x),
+            lambda: jnp.exp(x),
+            None,
+        ),
+    }
+    rows = []
+    for name, (with_qax, same_dense, bare) in cases.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            expected = same_dense()
+            got = qax.materialize_nested(with_qax(), full=True)
+            np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4, err_msg=name)
+        materializes = any(
+            issubclass(c.category, qax.MaterializationWarning) for c in caught
+        )
+        fns = {
+            "qax": lambda f=with_qax: jax.block_until_ready(f()),
+            "dense": lambda f=same_dense: jax.block_until_ready(f()),
+        }
+        if bare is not None:
+            fns["bare"] = lambda f=bare: jax.block_until_ready(f())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", qax.MaterializationWarning)
+            times = interleaved(fns, reps, warmup=2, inner=inner)
+        rows.append(
+            [
+                name,
+                fmt_seconds(median(times["qax"])),
+                fmt_seconds(median(times["dense"])),
+                f"{paired_ratio(times, 'qax', 'dense'):.2f}",
+                fmt_seconds(median(times["bare"])) if bare else "",
+                f"{paired_ratio(times, 'qax', 'bare'):.2f}" if bare else "",
+                "yes" if materializes else "no",
+            ]
+        )
+    return rows
+
+
+# ----------------------------------------------------------------------------------------
+# Part 2: tracing with symbolic-zero biases
+
+BIASES = ("bias", "b1", "b2")
+
+
+def zero_biases(params: dict, symbolic: bool) -> dict:
+    def convert(path, leaf):
+        if getattr(path[-1], "key", None) not in BIASES:
+            return leaf
+        return Zeros(shape=leaf.shape, dtype=leaf.dtype) if symbolic else jnp.zeros_like(leaf)
+
+    return jax.tree_util.tree_map_with_path(convert, params)
+
+
+def tracing_rows(cfg: Config, reps: int) -> list[list[str]]:
+    params = init_params(cfg, jax.random.PRNGKey(0), stacked=False)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (cfg.batch, cfg.seq + 1), 0, cfg.vocab)
+    loss = make_loss(cfg, dense_linear, scan=False)
+    qax_loss = qax.use_implicit_args(loss)
+    dense_p, zeros_p = zero_biases(params, False), zero_biases(params, True)
+
+    def weights_only(p):
+        return {k: v for k, v in p.items() if k in ("wte", "wpe", "head")}
+
+    def grad_of(f, p):
+        # Gradient wrt a few dense weights; the biases are closed over.
+        return lambda: jax.make_jaxpr(
+            fresh(jax.grad(lambda w: f({**p, **w}, tokens)))
+        )(weights_only(p))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", qax.MaterializationWarning)
+        np.testing.assert_allclose(
+            jax.jit(qax_loss)(zeros_p, tokens), jax.jit(loss)(dense_p, tokens), rtol=1e-5
+        )
+        jaxprs = {
+            "dense": jax.make_jaxpr(loss)(dense_p, tokens),
+            "Zeros": jax.make_jaxpr(qax_loss)(zeros_p, tokens),
+        }
+    rows = []
+    cases = {
+        "make_jaxpr forward": {
+            "dense": lambda: jax.make_jaxpr(fresh(loss))(dense_p, tokens),
+            "Zeros": lambda: jax.make_jaxpr(fresh(qax_loss))(zeros_p, tokens),
+            "wrapper": lambda: jax.make_jaxpr(fresh(qax_loss))(dense_p, tokens),
+        },
+        "make_jaxpr grad (weights)": {
+            "dense": grad_of(loss, dense_p),
+            "Zeros": grad_of(qax_loss, zeros_p),
+            "wrapper": grad_of(qax_loss, dense_p),
+        },
+    }
+    for label, fns in cases.items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", qax.MaterializationWarning)
+            times = interleaved(fns, reps)
+        rows.append(
+            [
+                label,
+                fmt_seconds(median(times["dense"])),
+                fmt_seconds(median(times["Zeros"])),
+                f"{paired_ratio(times, 'Zeros', 'dense'):.3f}",
+                fmt_seconds(median(times["wrapper"])),
+                f"{paired_ratio(times, 'wrapper', 'dense'):.3f}",
+            ]
+        )
+    n_eqns = {k: len(j.jaxpr.eqns) for k, j in jaxprs.items()}
+    rows.append(
+        ["top-level jaxpr equations (forward)", str(n_eqns["dense"]), str(n_eqns["Zeros"]), "", "", ""]
+    )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="few repetitions")
+    args = parser.parse_args(argv)
+    if args.quick:
+        cfg, eager_reps, inner, trace_reps = Config(n_layers=2, seq=32, batch=4), 5, 20, 5
+    else:
+        cfg, eager_reps, inner, trace_reps = Config(), 15, 100, 15
+
+    print(f"JAX {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs")
+    print(
+        "times: medians; ratios: medians of per-repetition ratios "
+        f"(eager: {eager_reps} x {inner} calls; tracing: {trace_reps} repetitions)\n"
+    )
+    print("### eager per-op dispatch (x: 8x64, lora: 64x64 rank 4, zeros: 8x64)\n")
+    print(
+        markdown_table(
+            [
+                "op",
+                "qax",
+                "same on dense",
+                "qax/dense",
+                "bare dense op",
+                "qax/bare",
+                "materializes",
+            ],
+            eager_rows(eager_reps, inner),
+        )
+    )
+    print(f"\n### tracing with symbolic-zero biases (model: {cfg})\n")
+    print(
+        markdown_table(
+            [
+                "measurement",
+                "dense zero biases",
+                "Zeros biases (qax)",
+                "Zeros/dense",
+                "qax wrapper, dense biases",
+                "wrapper/dense",
+            ],
+            tracing_rows(cfg, trace_reps),
+        )
+    )
+    print()
+
+
+if __name__ == "__main__":
+    main()
