@@ -49,7 +49,7 @@ def interleaved(
 
 def paired_ratio(times: dict[str, list[float]], num: str, den: str) -> float:
     """Median over repetitions of ``times[num][i] / times[den][i]``."""
-    return statistics.median(a / b for a, b in zip(times[num], times[den]))
+    return statistics.median(a / b for a, b in zip(times[num], times[den], strict=True))
 
 
 def median(xs: list[float]) -> float:
@@ -65,7 +65,13 @@ def fmt_seconds(s: float) -> str:
 
 
 def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
-    line = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    widths = [
+        max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))
+    ]
+
+    def line(cells: list[str]) -> str:
+        padded = (str(c).ljust(w) for c, w in zip(cells, widths, strict=True))
+        return "| " + " | ".join(padded) + " |"
+
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(headers), sep, *(line(r) for r in rows)])

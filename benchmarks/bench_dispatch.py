@@ -22,7 +22,6 @@ Run from the repository root:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import warnings
@@ -32,7 +31,6 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import qax  # noqa: E402
 from _timing import (  # noqa: E402
     fmt_seconds,
     interleaved,
@@ -48,6 +46,8 @@ from bench_lora import (  # noqa: E402
     init_params,
     make_loss,
 )
+
+import qax  # noqa: E402
 
 # ----------------------------------------------------------------------------------------
 # A symbolic zero type (public qax API only)
@@ -134,7 +134,9 @@ def eager_rows(reps: int, inner: int) -> list[list[str]]:
             warnings.simplefilter("always")
             expected = same_dense()
             got = qax.materialize_nested(with_qax(), full=True)
-            np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4, err_msg=name)
+            np.testing.assert_allclose(
+                got, expected, rtol=1e-4, atol=1e-4, err_msg=name
+            )
         materializes = any(
             issubclass(c.category, qax.MaterializationWarning) for c in caught
         )
@@ -171,14 +173,20 @@ def zero_biases(params: dict, symbolic: bool) -> dict:
     def convert(path, leaf):
         if getattr(path[-1], "key", None) not in BIASES:
             return leaf
-        return Zeros(shape=leaf.shape, dtype=leaf.dtype) if symbolic else jnp.zeros_like(leaf)
+        return (
+            Zeros(shape=leaf.shape, dtype=leaf.dtype)
+            if symbolic
+            else jnp.zeros_like(leaf)
+        )
 
     return jax.tree_util.tree_map_with_path(convert, params)
 
 
 def tracing_rows(cfg: Config, reps: int) -> list[list[str]]:
     params = init_params(cfg, jax.random.PRNGKey(0), stacked=False)
-    tokens = jax.random.randint(jax.random.PRNGKey(1), (cfg.batch, cfg.seq + 1), 0, cfg.vocab)
+    tokens = jax.random.randint(
+        jax.random.PRNGKey(1), (cfg.batch, cfg.seq + 1), 0, cfg.vocab
+    )
     loss = make_loss(cfg, dense_linear, scan=False)
     qax_loss = qax.use_implicit_args(loss)
     dense_p, zeros_p = zero_biases(params, False), zero_biases(params, True)
@@ -188,14 +196,16 @@ def tracing_rows(cfg: Config, reps: int) -> list[list[str]]:
 
     def grad_of(f, p):
         # Gradient wrt a few dense weights; the biases are closed over.
-        return lambda: jax.make_jaxpr(
-            fresh(jax.grad(lambda w: f({**p, **w}, tokens)))
-        )(weights_only(p))
+        return lambda: jax.make_jaxpr(fresh(jax.grad(lambda w: f({**p, **w}, tokens))))(
+            weights_only(p)
+        )
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", qax.MaterializationWarning)
         np.testing.assert_allclose(
-            jax.jit(qax_loss)(zeros_p, tokens), jax.jit(loss)(dense_p, tokens), rtol=1e-5
+            jax.jit(qax_loss)(zeros_p, tokens),
+            jax.jit(loss)(dense_p, tokens),
+            rtol=1e-5,
         )
         jaxprs = {
             "dense": jax.make_jaxpr(loss)(dense_p, tokens),
@@ -230,7 +240,14 @@ def tracing_rows(cfg: Config, reps: int) -> list[list[str]]:
         )
     n_eqns = {k: len(j.jaxpr.eqns) for k, j in jaxprs.items()}
     rows.append(
-        ["top-level jaxpr equations (forward)", str(n_eqns["dense"]), str(n_eqns["Zeros"]), "", "", ""]
+        [
+            "top-level jaxpr equations (forward)",
+            str(n_eqns["dense"]),
+            str(n_eqns["Zeros"]),
+            "",
+            "",
+            "",
+        ]
     )
     return rows
 
@@ -240,11 +257,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="few repetitions")
     args = parser.parse_args(argv)
     if args.quick:
-        cfg, eager_reps, inner, trace_reps = Config(n_layers=2, seq=32, batch=4), 5, 20, 5
+        cfg, eager_reps, inner, trace_reps = (
+            Config(n_layers=2, seq=32, batch=4),
+            5,
+            20,
+            5,
+        )
     else:
         cfg, eager_reps, inner, trace_reps = Config(), 15, 100, 15
 
-    print(f"JAX {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs")
+    print(
+        f"JAX {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs"
+    )
     print(
         "times: medians; ratios: medians of per-repetition ratios "
         f"(eager: {eager_reps} x {inner} calls; tracing: {trace_reps} repetitions)\n"

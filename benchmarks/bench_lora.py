@@ -45,7 +45,6 @@ import optax
 from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import qax  # noqa: E402
 from _timing import (  # noqa: E402
     fmt_seconds,
     interleaved,
@@ -54,6 +53,7 @@ from _timing import (  # noqa: E402
     paired_ratio,
 )
 
+import qax  # noqa: E402
 
 # ----------------------------------------------------------------------------------------
 # The implicit LoRA type (public qax API only)
@@ -201,7 +201,9 @@ def make_loss(cfg: Config, linear: Callable, scan: bool) -> Callable:
 
 
 def _is_lora(x: Any) -> bool:
-    return isinstance(x, LoraMatrix) or (isinstance(x, dict) and set(x) == {"w", "a", "b"})
+    return isinstance(x, LoraMatrix) or (
+        isinstance(x, dict) and set(x) == {"w", "a", "b"}
+    )
 
 
 def add_lora(params: dict, key: jax.Array, rank: int, implicit: bool) -> dict:
@@ -348,7 +350,9 @@ def measure(cfg: Config, scan: bool, reps: Reps) -> tuple[list[list[str]], list[
     print("  make_jaxpr(train step) ...", file=sys.stderr)
     results["make_jaxpr train step"] = interleaved(
         per_variant(
-            lambda v: lambda: jax.make_jaxpr(fresh(v.step))(v.params, v.opt_state, tokens)
+            lambda v: (
+                lambda: jax.make_jaxpr(fresh(v.step))(v.params, v.opt_state, tokens)
+            )
         ),
         reps.trace_step,
     )
@@ -356,8 +360,10 @@ def measure(cfg: Config, scan: bool, reps: Reps) -> tuple[list[list[str]], list[
     jitted = {name: jax.jit(v.step) for name, v in variants.items()}
     results["jitted train step (steady)"] = interleaved(
         per_variant(
-            lambda v: lambda: jax.block_until_ready(
-                jitted[v.name](v.params, v.opt_state, tokens)
+            lambda v: (
+                lambda: jax.block_until_ready(
+                    jitted[v.name](v.params, v.opt_state, tokens)
+                )
             )
         ),
         reps.steady,
@@ -366,8 +372,10 @@ def measure(cfg: Config, scan: bool, reps: Reps) -> tuple[list[list[str]], list[
     print("  first jit call ...", file=sys.stderr)
     results["first jit call train step (trace+compile)"] = interleaved(
         per_variant(
-            lambda v: lambda: jax.block_until_ready(
-                jax.jit(fresh(v.step))(v.params, v.opt_state, tokens)
+            lambda v: (
+                lambda: jax.block_until_ready(
+                    jax.jit(fresh(v.step))(v.params, v.opt_state, tokens)
+                )
             )
         ),
         reps.first_call,
@@ -376,7 +384,9 @@ def measure(cfg: Config, scan: bool, reps: Reps) -> tuple[list[list[str]], list[
     )
     print("  compiled FLOPs ...", file=sys.stderr)
     flop_rows = {
-        "compiled FLOPs forward": {n: flops(v.loss, v.params, tokens) for n, v in variants.items()},
+        "compiled FLOPs forward": {
+            n: flops(v.loss, v.params, tokens) for n, v in variants.items()
+        },
         "compiled FLOPs train step": {
             n: flops(v.step, v.params, v.opt_state, tokens) for n, v in variants.items()
         },
@@ -414,7 +424,9 @@ def measure(cfg: Config, scan: bool, reps: Reps) -> tuple[list[list[str]], list[
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small model, few repetitions")
+    parser.add_argument(
+        "--quick", action="store_true", help="small model, few repetitions"
+    )
     parser.add_argument(
         "--layout",
         choices=("both", "loop", "scan"),
@@ -431,7 +443,9 @@ def main(argv: list[str] | None = None) -> None:
         cfg = Config()
         reps = Reps(trace_fwd=15, trace_step=10, first_call=3, steady=20)
 
-    print(f"JAX {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs")
+    print(
+        f"JAX {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs"
+    )
     print(f"model: {cfg}")
     print(
         "times: medians; ratios: medians of per-repetition ratios "
@@ -440,7 +454,11 @@ def main(argv: list[str] | None = None) -> None:
     headers = ["measurement", "dense", "hand LoRA", "qax LoRA", "qax/hand", "qax/dense"]
     layouts = {"loop": [False], "scan": [True], "both": [False, True]}[args.layout]
     for scan in layouts:
-        title = "layers under lax.scan + jax.checkpoint" if scan else "layers as a Python loop"
+        title = (
+            "layers under lax.scan + jax.checkpoint"
+            if scan
+            else "layers as a Python loop"
+        )
         print(f"{title}:", file=sys.stderr)
         rows, notes = measure(cfg, scan, reps)
         print(f"### {title}\n")
