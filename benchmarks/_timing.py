@@ -19,18 +19,18 @@ def interleaved(
     reps: int,
     warmup: int = 1,
     inner: int = 1,
-    setup: Callable[[], object] | None = None,
+    setup: Callable[[Callable[[], object]], object] | None = None,
 ) -> dict[str, list[float]]:
     """Seconds per call of each of `fns`, `reps` samples each, measured interleaved.
 
-    Each sample is the mean over `inner` back-to-back calls. `setup` (untimed) runs
-    before every sample, e.g. to clear caches.
+    Each sample is the mean over `inner` back-to-back calls. ``setup(fn)`` (untimed)
+    runs before every sample of ``fn``, e.g. to clear caches.
     """
     names = list(fns)
     for _ in range(warmup):
         for name in names:
             if setup is not None:
-                setup()
+                setup(fns[name])
             fns[name]()
     times: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(reps):
@@ -38,7 +38,7 @@ def interleaved(
         for name in order:
             fn = fns[name]
             if setup is not None:
-                setup()
+                setup(fn)
             gc.collect()
             start = time.perf_counter()
             for _ in range(inner):

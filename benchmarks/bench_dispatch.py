@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 import warnings
 
 import jax
@@ -48,6 +49,12 @@ from bench_lora import (  # noqa: E402
 )
 
 import qax  # noqa: E402
+from qax._compat import (  # noqa: E402 (benchmark-only diagnostic)
+    Trace,
+    bind_with_trace,
+    current_trace,
+    set_current_trace,
+)
 
 # ----------------------------------------------------------------------------------------
 # A symbolic zero type (public qax API only)
@@ -89,6 +96,43 @@ def zeros_broadcast(primitive, a: Zeros, *, shape, broadcast_dimensions, shardin
 # Part 1: eager ops
 
 
+class PassThroughTrace(Trace):
+    """A trace that forwards every primitive to its parent unchanged.
+
+    Not part of qax: it measures the floor that *any* interpreter built on JAX's stackless
+    traces pays in eager mode (a `jax.jit`-ed function called under a non-eval trace
+    takes JAX's Python dispatch path instead of its C++ fast path).
+    """
+
+    def __init__(self, parent):
+        super().__init__()
+        self.parent_trace = parent
+        self.requires_low = False
+
+    def process_primitive(self, primitive, tracers, params):
+        return bind_with_trace(self.parent_trace, primitive, tracers, params)
+
+
+def pass_through(f):
+    def run(*args):
+        with set_current_trace(PassThroughTrace(current_trace())):
+            return f(*args)
+
+    return run
+
+
+def _ready(f):
+    return lambda: jax.block_until_ready(f())
+
+
+def _fresh_caches(fn):
+    # Every call of a jitted function under a new trace adds an entry to JAX's C++ jit
+    # cache (keyed on the trace); see `drift_row`. Start every sample from empty caches
+    # so that samples do not depend on how many calls ran before.
+    jax.clear_caches()
+    fn()
+
+
 def eager_rows(reps: int, inner: int) -> list[list[str]]:
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
     n, d, r = 8, 64, 4
@@ -100,39 +144,34 @@ def eager_rows(reps: int, inner: int) -> list[list[str]]:
     zeros, zeros_dense = Zeros(shape=(n, d)), jnp.zeros((n, d))
     implicit = qax.use_implicit_args
 
-    # name -> (qax call, same computation on dense arrays, bare dense op or None)
+    # name -> (qax call, the same computation on dense arrays)
     cases = {
         "x @ lora": (
             lambda: implicit(lambda x, m: x @ m)(x, lora),
-            lambda: x @ w + (x @ a) @ b.T,
-            lambda: x @ w,
+            lambda x, w, a, b: x @ w + (x @ a) @ b.T,
         ),
         "lora + 1 (materializes)": (
             lambda: implicit(lambda m: m + 1)(lora),
-            lambda: (w + a @ b.T) + 1,
-            lambda: w + 1,
+            lambda x, w, a, b: (w + a @ b.T) + 1,
         ),
         "jnp.sum(zeros + x)": (
             lambda: implicit(lambda z, x: jnp.sum(z + x))(zeros, x),
-            lambda: jnp.sum(zeros_dense + x),
-            None,
+            lambda x, w, a, b: jnp.sum(zeros_dense + x),
         ),
         "zeros * x": (
             lambda: implicit(lambda z, x: z * x)(zeros, x),
-            lambda: zeros_dense * x,
-            None,
+            lambda x, w, a, b: zeros_dense * x,
         ),
         "jnp.exp(x) (no implicit arg)": (
             lambda: implicit(jnp.exp)(x),
-            lambda: jnp.exp(x),
-            None,
+            lambda x, w, a, b: jnp.exp(x),
         ),
     }
     rows = []
-    for name, (with_qax, same_dense, bare) in cases.items():
+    for name, (with_qax, dense) in cases.items():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            expected = same_dense()
+            expected = dense(x, w, a, b)
             got = qax.materialize_nested(with_qax(), full=True)
             np.testing.assert_allclose(
                 got, expected, rtol=1e-4, atol=1e-4, err_msg=name
@@ -141,25 +180,53 @@ def eager_rows(reps: int, inner: int) -> list[list[str]]:
             issubclass(c.category, qax.MaterializationWarning) for c in caught
         )
         fns = {
-            "qax": lambda f=with_qax: jax.block_until_ready(f()),
-            "dense": lambda f=same_dense: jax.block_until_ready(f()),
+            "qax": _ready(with_qax),
+            "dense": _ready(lambda f=dense: f(x, w, a, b)),
+            "floor": _ready(lambda f=dense: pass_through(f)(x, w, a, b)),
         }
-        if bare is not None:
-            fns["bare"] = lambda f=bare: jax.block_until_ready(f())
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", qax.MaterializationWarning)
-            times = interleaved(fns, reps, warmup=2, inner=inner)
+            times = interleaved(fns, reps, warmup=1, inner=inner, setup=_fresh_caches)
         rows.append(
             [
                 name,
                 fmt_seconds(median(times["qax"])),
                 fmt_seconds(median(times["dense"])),
                 f"{paired_ratio(times, 'qax', 'dense'):.2f}",
-                fmt_seconds(median(times["bare"])) if bare else "",
-                f"{paired_ratio(times, 'qax', 'bare'):.2f}" if bare else "",
+                fmt_seconds(median(times["floor"])),
+                f"{paired_ratio(times, 'floor', 'dense'):.2f}",
+                f"{paired_ratio(times, 'qax', 'floor'):.2f}",
                 "yes" if materializes else "no",
             ]
         )
+    return rows
+
+
+def drift_rows(calls: int) -> list[list[str]]:
+    """An eager op timed on fresh caches, and again after `calls` earlier calls."""
+    x = jnp.ones((8, 64))
+    cases = {
+        "use_implicit_args(jnp.exp)(x)": lambda: qax.use_implicit_args(jnp.exp)(x),
+        "pass-through trace, jnp.exp(x)": lambda: pass_through(jnp.exp)(x),
+        "jnp.exp(x)": lambda: jnp.exp(x),
+    }
+
+    def per_call(fn, k):
+        start = time.perf_counter()
+        for _ in range(k):
+            jax.block_until_ready(fn())
+        return (time.perf_counter() - start) / k
+
+    rows = []
+    for name, fn in cases.items():
+        _fresh_caches(fn)
+        first = per_call(fn, 200)
+        per_call(fn, calls)
+        later = per_call(fn, 200)
+        rows.append(
+            [name, fmt_seconds(first), fmt_seconds(later), f"{later / first:.2f}"]
+        )
+    jax.clear_caches()
     return rows
 
 
@@ -257,35 +324,50 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="few repetitions")
     args = parser.parse_args(argv)
     if args.quick:
-        cfg, eager_reps, inner, trace_reps = (
+        cfg, eager_reps, inner, drift, trace_reps = (
             Config(n_layers=2, seq=32, batch=4),
             5,
-            20,
+            10,
+            500,
             5,
         )
     else:
-        cfg, eager_reps, inner, trace_reps = Config(), 15, 100, 15
+        cfg, eager_reps, inner, drift, trace_reps = Config(), 15, 20, 3000, 15
 
     print(
         f"JAX {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs"
     )
     print(
         "times: medians; ratios: medians of per-repetition ratios "
-        f"(eager: {eager_reps} x {inner} calls; tracing: {trace_reps} repetitions)\n"
+        f"(eager: {eager_reps} x {inner} calls, caches cleared before each sample; "
+        f"tracing: {trace_reps} repetitions)\n"
     )
     print("### eager per-op dispatch (x: 8x64, lora: 64x64 rank 4, zeros: 8x64)\n")
+    print(
+        "`dense`: the same computation written on dense arrays; `floor`: that dense code "
+        "run under a do-nothing pass-through trace (what any stackless interpreter "
+        "pays).\n"
+    )
     print(
         markdown_table(
             [
                 "op",
                 "qax",
-                "same on dense",
+                "dense",
                 "qax/dense",
-                "bare dense op",
-                "qax/bare",
+                "floor",
+                "floor/dense",
+                "qax/floor",
                 "materializes",
             ],
             eager_rows(eager_reps, inner),
+        )
+    )
+    print("\n### eager cost drift: JAX's jit cache grows by one entry per call\n")
+    print(
+        markdown_table(
+            ["op", "first 200 calls", f"200 calls after {drift} more", "later/first"],
+            drift_rows(drift),
         )
     )
     print(f"\n### tracing with symbolic-zero biases (model: {cfg})\n")

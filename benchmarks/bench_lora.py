@@ -380,7 +380,7 @@ def measure(cfg: Config, scan: bool, reps: Reps) -> tuple[list[list[str]], list[
         ),
         reps.first_call,
         warmup=0,
-        setup=jax.clear_caches,
+        setup=lambda fn: jax.clear_caches(),
     )
     print("  compiled FLOPs ...", file=sys.stderr)
     flop_rows = {
