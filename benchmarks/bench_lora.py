@@ -29,9 +29,11 @@ ratios (see `benchmarks/_timing.py`).
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import math
 import os
+import re
 import sys
 import traceback
 import warnings
@@ -302,11 +304,22 @@ def fresh(f: Callable) -> Callable:
     return lambda *args: f(*args)
 
 
-def flops(f: Callable, *args) -> float:
-    cost = jax.jit(f).lower(*args).compile().cost_analysis()
+def compiled_cost(f: Callable, *args) -> tuple[float, collections.Counter]:
+    """FLOPs of the compiled program, and its instructions as (opcode, shape) counts."""
+    compiled = jax.jit(f).lower(*args).compile()
+    cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):
         cost = cost[0]
-    return float(cost["flops"])
+    instructions = collections.Counter()
+    for line in compiled.as_text().splitlines():
+        match = _HLO_INSTRUCTION.match(line)
+        if match:
+            instructions[match.group(2), match.group(1)] += 1
+    return float(cost["flops"]), instructions
+
+
+# `  name = f32[8,64]{1,0} dot(...)`: shape and opcode of one optimized-HLO instruction.
+_HLO_INSTRUCTION = re.compile(r"\s*(?:ROOT )?\S+ = (\S+) ([\w-]+)\(")
 
 
 @dataclasses.dataclass
@@ -383,12 +396,13 @@ def measure(cfg: Config, scan: bool, reps: Reps) -> tuple[list[list[str]], list[
         setup=lambda fn: jax.clear_caches(),
     )
     print("  compiled FLOPs ...", file=sys.stderr)
-    flop_rows = {
-        "compiled FLOPs forward": {
-            n: flops(v.loss, v.params, tokens) for n, v in variants.items()
+    costs = {
+        "forward": {
+            n: compiled_cost(v.loss, v.params, tokens) for n, v in variants.items()
         },
-        "compiled FLOPs train step": {
-            n: flops(v.step, v.params, v.opt_state, tokens) for n, v in variants.items()
+        "train step": {
+            n: compiled_cost(v.step, v.params, v.opt_state, tokens)
+            for n, v in variants.items()
         },
     }
 
@@ -406,7 +420,9 @@ def measure(cfg: Config, scan: bool, reps: Reps) -> tuple[list[list[str]], list[
         else:
             row += [na, "n/a", "n/a"]
         rows.append(row)
-    for label, counts in flop_rows.items():
+    for what, per_variant_cost in costs.items():
+        counts = {n: c[0] for n, c in per_variant_cost.items()}
+        label = f"compiled FLOPs {what}"
         row = [label, f"{counts['dense']:.4g}", f"{counts['hand']:.4g}"]
         if has_qax:
             row += [
@@ -416,6 +432,16 @@ def measure(cfg: Config, scan: bool, reps: Reps) -> tuple[list[list[str]], list[
             ]
             if counts["qax"] > counts["hand"]:
                 notes.append(f"{label}: qax EXCEEDS hand-written LoRA.")
+        else:
+            row += [na, "n/a", "n/a"]
+        rows.append(row)
+    for what, per_variant_cost in costs.items():
+        ops = {n: c[1] for n, c in per_variant_cost.items()}
+        row = [f"compiled HLO instructions {what}"]
+        row += [str(sum(ops[n].values())) for n in ("dense", "hand")]
+        if has_qax:
+            same = "same ops" if ops["qax"] == ops["hand"] else "DIFFERENT ops"
+            row += [str(sum(ops["qax"].values())), same, ""]
         else:
             row += [na, "n/a", "n/a"]
         rows.append(row)
@@ -441,7 +467,7 @@ def main(argv: list[str] | None = None) -> None:
         reps = Reps(trace_fwd=5, trace_step=3, first_call=1, steady=5)
     else:
         cfg = Config()
-        reps = Reps(trace_fwd=15, trace_step=10, first_call=3, steady=20)
+        reps = Reps(trace_fwd=15, trace_step=10, first_call=5, steady=20)
 
     print(
         f"JAX {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs"
