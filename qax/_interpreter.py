@@ -249,11 +249,18 @@ class ImplicitTrace(Trace):
     # -- JAX's Trace interface -----------------------------------------------------------
 
     def process_primitive(self, primitive, tracers, params):
-        vals = [self.to_value(t) for t in tracers]
-        for v in vals:
-            if isinstance(v, ImplicitBase):
-                break
-        else:
+        # Hot path (every primitive bound while this trace is current): unwrap and look
+        # for implicit operands in one pass, without a method call per operand.
+        tag = self.tag
+        vals = []
+        implicit = False
+        for t in tracers:
+            if isinstance(t, ImplicitTracer) and t._trace.tag is tag:
+                t = t.value
+            if not implicit and isinstance(t, ImplicitBase):
+                implicit = True
+            vals.append(t)
+        if not implicit:
             return bind_with_trace(self.parent_trace, primitive, vals, params)
         out = apply_primitive(self, primitive, vals, params)
         if primitive.multiple_results:
@@ -428,28 +435,47 @@ def _shape_dtype(x: Any) -> tuple[tuple[int, ...], Any]:
     return tuple(aval.shape), aval.dtype
 
 
+def _expected_avals(primitive: Primitive, in_avals: tuple, params: dict) -> list:
+    expected, _ = primitive.abstract_eval(*in_avals, **params)
+    return list(expected) if primitive.multiple_results else [expected]
+
+
+@functools.lru_cache(maxsize=4096)
+def _expected_avals_cached(
+    primitive: Primitive, in_avals: tuple, param_items: tuple, x64: bool
+) -> list:
+    return _expected_avals(primitive, in_avals, dict(param_items))
+
+
 def _check_result(handler, primitive, vals, params, out) -> None:
     """Report a handler result whose shape or dtype differs from the primitive's."""
     try:
-        in_avals = [v.aval if isinstance(v, ImplicitBase) else typeof(v) for v in vals]
-        expected, _ = primitive.abstract_eval(*in_avals, **params)
+        in_avals = tuple(
+            v.aval if isinstance(v, ImplicitBase) else typeof(v) for v in vals
+        )
+        try:
+            # Shape rules are pure: cache them per (primitive, avals, params), which
+            # saves most of the cost of this check while tracing (see benchmarks/).
+            expected = _expected_avals_cached(
+                primitive, in_avals, tuple(params.items()), jax.config.jax_enable_x64
+            )
+        except TypeError:  # unhashable params
+            expected = _expected_avals(primitive, in_avals, params)
     except Exception:  # noqa: BLE001 (no abstract rule: nothing to check against)
         return
-    if primitive.multiple_results:
-        outs, expected = list(out), list(expected)
-    else:
-        outs, expected = [out], [expected]
+    outs = list(out) if primitive.multiple_results else [out]
     problem = len(outs) != len(expected)
-    got = []
+    found = []
     for o, e in zip(outs, expected):
         try:
             shape, dtype = _shape_dtype(o)
         except TypeError:
             problem, shape, dtype = True, None, type(o).__name__
-        got.append(f"{dtype}{list(shape) if shape is not None else ''}")
+        found.append((shape, dtype))
         if shape != tuple(e.shape) or dtype != e.dtype:
             problem = True
     if problem:
+        got = [f"{d}{list(s) if s is not None else ''}" for s, d in found]
         raise _errors.HandlerError(
             _errors.BAD_HANDLER_RESULT.format(
                 handler=_dispatch.describe_handler(handler),
