@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -48,6 +49,7 @@ from ._compat import (
     forget_arg_names,
     is_eval_trace,
     jaxpr_as_fun,
+    known_constant,
     make_debug_info,
     mapped_aval,
     merge_common_consts,
@@ -303,64 +305,21 @@ def _leaf_sharding(sharding: Any, value: ImplicitBase, leaf: Any, fallback: Any)
 
 
 def _jit_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list:
-    closed = params["jaxpr"]
-    if params.get("inline"):
-        if not is_eval_trace(trace.parent_trace):
-            # The parent would inline this body anyway: interpret it in place.
-            with set_current_trace(trace):
-                outs = eval_jaxpr(closed.jaxpr, closed.consts, *map(trace.wrap, vals))
-            return _unwrap_all(trace, outs)
-        return _eager_inline_jit(trace, closed, vals, params["name"])
+    """A nested `jit` on implicit operands: its body, re-traced once per signature.
 
-    key = _signature(vals)
-    traced = _cached(closed, key)
-    if traced is None:
-        traced, _ = trace_body(trace, _jaxpr_body(closed), vals, params["name"])
-        _store(closed, key, traced, [traced])
-    else:
-        replay(traced.events)
-    out_vals = traced.out_skeleton()
-
-    def sharding(p, value, leaf):
-        return _leaf_sharding(p, value, leaf, UNSPECIFIED)
-
-    new_params = dict(
-        params,
-        jaxpr=traced.jaxpr,
-        donated_invars=_per_leaf(vals, params["donated_invars"], _const(False)),
-        in_shardings=_per_leaf(vals, params["in_shardings"], sharding),
-        in_layouts=_per_leaf(vals, params["in_layouts"], _const(None)),
-        out_shardings=_per_leaf(out_vals, params["out_shardings"], sharding),
-        out_layouts=_per_leaf(out_vals, params["out_layouts"], _const(None)),
-    )
-    outs = bind_with_trace(trace.parent_trace, primitive, _leaves(vals), new_params)
-    return jax.tree_util.tree_unflatten(traced.out_tree, outs)
-
-
-def _is_python_scalar(x: Any) -> bool:
-    """A concrete, weakly typed 0-d operand: what a Python number becomes in `jnp`."""
-    if isinstance(x, (ImplicitBase, Tracer)):
-        return False
-    try:
-        aval = typeof(x)
-    except TypeError:
-        return False
-    return aval.weak_type and not aval.shape
-
-
-def _eager_inline_jit(trace: ImplicitTrace, closed, vals: list, name: str) -> list:
-    """A `jnp` function called eagerly on implicit values.
-
-    Its body is re-traced once per input signature and compiled; later calls go through
-    `jax.jit`'s fast dispatch path. Python scalars are baked into the body, as a traced
-    program would see them as literals (so that, e.g., symbolic constants fold).
+    The body runs on the implicit values (so their handlers apply) and is staged over
+    their leaves; the result is bound as a `jit` again, so the parent sees one cached
+    unit (its differentiation, batching and compilation are cached by JAX too). `jnp`
+    wrappers (``inline=True``) stay inline; called eagerly, they are compiled and
+    dispatched through `jax.jit`'s fast path. Scalars with known values given to a
+    `jnp` wrapper are baked into the body, where a traced program sees them as literals.
     """
-    baked = {
-        i: canonicalize_value(v) for i, v in enumerate(vals) if _is_python_scalar(v)
-    }
+    closed = params["jaxpr"]
+    inline = params.get("inline", False)
+    baked = _scalar_literals(vals) if inline else {}
     dynamic = [v for i, v in enumerate(vals) if i not in baked]
     scalars = tuple((i, np.asarray(v).item(), typeof(v)) for i, v in baked.items())
-    key = _signature(dynamic, "eager", scalars)
+    key = _signature(dynamic, "jit", scalars)
     entry = _cached(closed, key)
     if entry is None:
 
@@ -369,14 +328,73 @@ def _eager_inline_jit(trace: ImplicitTrace, closed, vals: list, name: str) -> li
             args = [baked[i] if i in baked else next(it) for i in range(len(vals))]
             return eval_jaxpr(closed.jaxpr, closed.consts, *args)
 
-        traced, _ = trace_body(trace, body, dynamic, name)
-        entry = (traced, jax.jit(jaxpr_as_fun(traced.jaxpr)))
+        traced, _ = trace_body(trace, body, dynamic, params["name"])
+        entry = _JitEntry(traced)
         _store(closed, key, entry, [traced])
     else:
-        replay(entry[0].events)
-    traced, compiled = entry
-    outs = compiled(*_leaves(dynamic))
+        replay(entry.traced.events)
+    traced = entry.traced
+    if inline and is_eval_trace(trace.parent_trace):
+        outs = entry.compiled()(*_leaves(dynamic))
+        return jax.tree_util.tree_unflatten(traced.out_tree, outs)
+
+    out_vals = traced.out_skeleton()
+    if baked:  # drop the baked operands' entries from the per-operand parameters
+        kept = [i not in baked for i in range(len(vals))]
+        per_operand = ("donated_invars", "in_shardings", "in_layouts")
+        params |= {n: tuple(itertools.compress(params[n], kept)) for n in per_operand}
+
+    def sharding(p, value, leaf):
+        return _leaf_sharding(p, value, leaf, UNSPECIFIED)
+
+    new_params = dict(
+        params,
+        jaxpr=traced.jaxpr,
+        donated_invars=_per_leaf(dynamic, params["donated_invars"], _const(False)),
+        in_shardings=_per_leaf(dynamic, params["in_shardings"], sharding),
+        in_layouts=_per_leaf(dynamic, params["in_layouts"], _const(None)),
+        out_shardings=_per_leaf(out_vals, params["out_shardings"], sharding),
+        out_layouts=_per_leaf(out_vals, params["out_layouts"], _const(None)),
+    )
+    outs = bind_with_trace(trace.parent_trace, primitive, _leaves(dynamic), new_params)
     return jax.tree_util.tree_unflatten(traced.out_tree, outs)
+
+
+class _JitEntry:
+    """A cached re-traced jit body, and (for eager calls) its compiled form."""
+
+    def __init__(self, traced: TracedBody):
+        self.traced = traced
+        self._compiled = None
+
+    def compiled(self) -> Callable:
+        if self._compiled is None:
+            self._compiled = jax.jit(jaxpr_as_fun(self.traced.jaxpr))
+        return self._compiled
+
+
+def _scalar_literals(vals: Sequence) -> dict[int, Any]:
+    """The scalar operands whose values are known now (concrete, or trace literals).
+
+    A traced program sees them as literals, so baking them into a re-traced body keeps
+    what handlers see (e.g. symbolic constants fold ``c * 2.0``).
+    """
+    found = {}
+    for i, v in enumerate(vals):
+        if isinstance(v, ImplicitBase):
+            continue
+        try:
+            aval = typeof(v)
+        except TypeError:
+            continue
+        if aval.shape:
+            continue
+        if isinstance(v, Tracer):
+            v = known_constant(v)
+            if v is None:
+                continue
+        found[i] = canonicalize_value(v)
+    return found
 
 
 # ----------------------------------------------------------------------------------------
