@@ -24,7 +24,6 @@ WITNESS = "_qax_aval"
 _MISSING = object()
 
 
-
 def aux_field(metadata: dict | None = None, **kwargs: Any) -> Any:
     """A dataclass field that is static metadata (pytree aux data), not a child.
 
@@ -213,7 +212,10 @@ class ImplicitArray(ImplicitBase):
             return
         shape, dtype = tuple(out.shape), _canonical_dtype(out.dtype)
         name = type(self).__name__
-        for kind, declared, found in (("shape", self.shape, shape), ("dtype", self.dtype, dtype)):
+        for kind, declared, found in (
+            ("shape", self.shape, shape),
+            ("dtype", self.dtype, dtype),
+        ):
             if declared is None:
                 setattr(self, kind, found)
             elif declared != found:
@@ -254,7 +256,9 @@ class ImplicitArray(ImplicitBase):
         parts = [f"{n}={_short(getattr(self, n))}" for n in names]
         parts += [f"{n}={getattr(self, n)!r}" for n in aux]
         parts.append(f"shape={self.shape}")
-        parts.append(f"dtype={None if self.dtype is None else np.dtype(self.dtype).name}")
+        parts.append(
+            f"dtype={None if self.dtype is None else np.dtype(self.dtype).name}"
+        )
         return f"{type(self).__name__}({', '.join(parts)})"
 
     __hash__ = object.__hash__

@@ -81,9 +81,9 @@ class MaterializationEvent:
 
 # Listeners see every event (audits); recorders collect events of a traced body so that a
 # cached body can report them again when it is reused.
-_listeners: contextvars.ContextVar[tuple[Callable[[MaterializationEvent], None], ...]] = (
-    contextvars.ContextVar("qax_listeners", default=())
-)
+_listeners: contextvars.ContextVar[
+    tuple[Callable[[MaterializationEvent], None], ...]
+] = contextvars.ContextVar("qax_listeners", default=())
 _recorders: contextvars.ContextVar[tuple[list, ...]] = contextvars.ContextVar(
     "qax_recorders", default=()
 )
@@ -92,6 +92,7 @@ _recorders: contextvars.ContextVar[tuple[list, ...]] = contextvars.ContextVar(
 _held: contextvars.ContextVar[list | None] = contextvars.ContextVar(
     "qax_held", default=None
 )
+
 
 def _package_dir(module: Any) -> str:
     return os.path.dirname(os.path.abspath(module.__file__)) + os.sep
@@ -241,7 +242,8 @@ class ImplicitTrace(Trace):
     def unwrap_tree(self, tree: Any) -> Any:
         """Replace this trace's tracers by their values, at any depth of `tree`."""
         if isinstance(tree, (list, tuple)) and not any(
-            isinstance(x, (ImplicitTracer, ImplicitBase, list, tuple, dict)) for x in tree
+            isinstance(x, (ImplicitTracer, ImplicitBase, list, tuple, dict))
+            for x in tree
         ):
             return tree
         return jax.tree_util.tree_map(self.to_value, tree)
@@ -274,7 +276,9 @@ class ImplicitTrace(Trace):
 
     def process_call(self, call_primitive, f, tracers, params):
         rule = structural_rules[call_primitive]
-        return rule(self, call_primitive, f, [self.to_value(t) for t in tracers], params)
+        return rule(
+            self, call_primitive, f, [self.to_value(t) for t in tracers], params
+        )
 
     def process_custom_jvp_call(self, primitive, fun, jvp, tracers, *, symbolic_zeros):
         rule = structural_rules[primitive]
@@ -306,7 +310,9 @@ class ImplicitTrace(Trace):
 # Resolving one primitive on implicit operands
 
 
-def apply_primitive(trace: ImplicitTrace, primitive: Primitive, vals: list, params: dict):
+def apply_primitive(
+    trace: ImplicitTrace, primitive: Primitive, vals: list, params: dict
+):
     """Run `primitive` on `vals`, at least one of which is implicit.
 
     The fallback order:
@@ -415,7 +421,9 @@ def call_with_children(trace: ImplicitTrace, fn: Callable, *args: Any, **kwargs:
                 nested = True
                 arg = copy.copy(arg)
                 for name, child in children:
-                    wrapped = jax.tree_util.tree_map(trace.wrap, child, is_leaf=is_implicit)
+                    wrapped = jax.tree_util.tree_map(
+                        trace.wrap, child, is_leaf=is_implicit
+                    )
                     object.__setattr__(arg, name, wrapped)
                 new_args[i] = arg
     if not nested:
@@ -523,7 +531,9 @@ def use_implicit_args(f: Callable) -> Callable:
 
     @functools.wraps(f)
     def implicit_f(*args, **kwargs):
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_implicit)
+        leaves, treedef = jax.tree_util.tree_flatten(
+            (args, kwargs), is_leaf=is_implicit
+        )
         parent = current_trace()
         reused = _eager_trace(parent)
         trace = reused or ImplicitTrace(parent, TraceTag())
