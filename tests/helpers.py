@@ -83,6 +83,30 @@ def _lora_matmul(
     return out + (x @ first) @ second.T
 
 
+@dataclass
+class BackwardTag(qax.ImplicitArray):
+    """Wraps an array; a per-type default rule wraps every result too (seeds/001)."""
+
+    array: qax.ArrayValue
+
+    def compute_shape(self):
+        return jnp.shape(self.array)
+
+    def compute_dtype(self):
+        return jnp.result_type(self.array)
+
+    def materialize(self):
+        raise ValueError("Refusing to materialize BackwardTag")
+
+    @classmethod
+    def default_handler(cls, primitive, *args, params):
+        raw = [a.array if isinstance(a, BackwardTag) else a for a in args]
+        out = primitive.bind(*raw, **params)
+        if primitive.multiple_results:
+            return [BackwardTag(o) for o in out]
+        return BackwardTag(out)
+
+
 def make_lora(key, m=6, n=5, r=2, dtype=jnp.float32):
     kw, ka, kb = jax.random.split(key, 3)
     return LoraMatrix(

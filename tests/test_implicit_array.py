@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import qax
-from tests.helpers import LoraMatrix, Zeros, assert_close, make_lora
+from tests.helpers import BackwardTag, LoraMatrix, Zeros, assert_close, make_lora
 
 
 def test_fields_are_children_with_keys_and_aux_fields_are_static():
@@ -246,28 +246,7 @@ def test_hidden_aval_leaf_tracks_tree_map_and_dtype_casts():
 
 
 def test_per_type_default_handler():
-    @dataclass
-    class Tag(qax.ImplicitArray):
-        array: qax.ArrayValue
-
-        def compute_shape(self):
-            return jnp.shape(self.array)
-
-        def compute_dtype(self):
-            return jnp.result_type(self.array)
-
-        def materialize(self):
-            raise RuntimeError("Tag must never be materialized")
-
-        @classmethod
-        def default_handler(cls, primitive, *args, params):
-            raw = [a.array if isinstance(a, Tag) else a for a in args]
-            out = primitive.bind(*raw, **params)
-            if primitive.multiple_results:
-                return [Tag(o) for o in out]
-            return Tag(out)
-
-    x = Tag(jnp.arange(4.0))
+    x = BackwardTag(jnp.arange(4.0))
     out = qax.use_implicit_args(lambda t: jnp.sin(t) * 2 + 1)(x)
-    assert isinstance(out, Tag)
+    assert isinstance(out, BackwardTag)
     assert_close(out.array, jnp.sin(jnp.arange(4.0)) * 2 + 1)

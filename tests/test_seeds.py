@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 import qax
-from tests.helpers import LoraMatrix, Zeros, assert_close
+from tests.helpers import BackwardTag, LoraMatrix, Zeros, assert_close
 
 # -- seeds/002: the how-to ---------------------------------------------------------------
 
@@ -189,28 +189,6 @@ def test_quax_ambiguity_tutorial_error_names_both_handlers():
 
 
 # -- seeds/001: a backward-pass tag as a per-type default rule ---------------------------
-
-
-@dataclass
-class BackwardTag(qax.ImplicitArray):
-    array: qax.ArrayValue
-
-    def compute_shape(self):
-        return jnp.shape(self.array)
-
-    def compute_dtype(self):
-        return jnp.result_type(self.array)
-
-    def materialize(self):
-        raise ValueError("Refusing to materialize BackwardTag")
-
-    @classmethod
-    def default_handler(cls, primitive, *args, params):
-        raw = [a.array if isinstance(a, BackwardTag) else a for a in args]
-        out = primitive.bind(*raw, **params)
-        if primitive.multiple_results:
-            return [BackwardTag(o) for o in out]
-        return BackwardTag(out)
 
 
 _tagged_matmuls = []
