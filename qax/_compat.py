@@ -21,6 +21,8 @@ from jax._src.lax.control_flow.common import _merge_common_consts
 from jax._src.shard_map import shard_map_p as shard_map_p
 from jax._src.sharding_impls import UNSPECIFIED as UNSPECIFIED
 from jax._src.tree_util import FlatTree as FlatTree
+from jax.sharding import NamedSharding as _NamedSharding
+from jax.sharding import PartitionSpec as _P
 
 Trace = _core.Trace
 Tracer = _core.Tracer
@@ -54,6 +56,31 @@ def canonicalize_value(x):
 def eval_context():
     """Context in which binds execute eagerly, whatever trace is current."""
     return _core.eval_context()
+
+
+def varying_axes(aval) -> frozenset:
+    """The `shard_map` mesh axes that values of `aval` vary over (empty outside)."""
+    manual = getattr(aval, "manual_axis_type", None)
+    return manual.varying if manual is not None else frozenset()
+
+
+def varying_aval(shape, dtype, reference, axes: frozenset) -> ShapedArray:
+    """An aval of `shape`/`dtype` in `reference`'s `shard_map` context, varying over `axes`.
+
+    (A bare `ShapedArray` has no mesh, so it cannot vary over mesh axes.)
+    """
+    manual = reference.manual_axis_type
+    new = type(manual)(
+        varying=frozenset(axes), unreduced=manual.unreduced, reduced=manual.reduced
+    )
+    sharding = _NamedSharding(reference.sharding.mesh, _P())
+    return reference.update(
+        shape=shape,
+        dtype=dtype,
+        weak_type=False,
+        sharding=sharding,
+        manual_axis_type=new,
+    )
 
 
 def current_trace() -> Trace:

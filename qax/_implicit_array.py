@@ -14,7 +14,15 @@ import jax
 import numpy as np
 
 from ._base import ImplicitBase, check_declared_avals, quiet_materialization
-from ._compat import ShapedArray, current_trace, eval_context, is_eval_trace
+from ._compat import (
+    ShapedArray,
+    Tracer,
+    current_trace,
+    eval_context,
+    is_eval_trace,
+    varying_aval,
+    varying_axes,
+)
 from ._errors import UninitializedAval
 from ._interpreter import _implicit_children, enter_current_trace, use_implicit_args
 
@@ -235,8 +243,15 @@ class ImplicitArray(ImplicitBase):
 
     @property
     def aval(self) -> ShapedArray:
-        """The abstract value (`jax.core.ShapedArray`) JAX sees for this array."""
-        return ShapedArray(self.shape, self.dtype)
+        """The abstract value (`jax.core.ShapedArray`) JAX sees for this array.
+
+        Inside `shard_map` it varies over every mesh axis that one of its leaves varies
+        over, as the materialized array would.
+        """
+        reference, varying = _varying_axes(self)
+        if not varying:
+            return ShapedArray(self.shape, self.dtype)
+        return varying_aval(self.shape, self.dtype, reference, varying)
 
     @property
     def ndim(self) -> int:
@@ -267,6 +282,31 @@ class ImplicitArray(ImplicitBase):
 
     __eq__ = _implicit_method(operator.eq)
     __ne__ = _implicit_method(operator.ne)
+
+
+def _varying_axes(x: ImplicitArray) -> tuple[Any, frozenset]:
+    """The mesh axes some traced leaf of `x` varies over (inside `shard_map`), and the
+    aval of one such leaf."""
+    reference, found = None, frozenset()
+    names, _ = _field_split(type(x))
+    for child in (*(x.__dict__[n] for n in names), x.__dict__.get(WITNESS)):
+        if isinstance(child, ImplicitArray):
+            ref, axes = _varying_axes(child)
+        elif isinstance(child, Tracer):
+            ref, axes = child.aval, varying_axes(child.aval)
+        elif isinstance(child, (list, tuple, dict)):
+            inner = [
+                leaf
+                for leaf in jax.tree_util.tree_leaves(child)
+                if isinstance(leaf, Tracer)
+            ]
+            ref = inner[0].aval if inner else None
+            axes = frozenset().union(*(varying_axes(leaf.aval) for leaf in inner))
+        else:
+            continue
+        if axes:
+            reference, found = ref, found | axes
+    return reference, found
 
 
 def _short(x: Any) -> str:

@@ -151,3 +151,31 @@ def test_sharding_annotations_keep_implicit(mode, place):
     check_mode(mode, f, lora(), X)
     jaxpr = jax.make_jaxpr(qax.use_implicit_args(f))(lora(), X)
     assert not forms_full_lora(jaxpr, 16, 6, 2)
+
+
+def test_shard_map_implicit_carry_that_varies():
+    # `pcast` makes the implicit weight vary over "i" leaf by leaf; its type must say so
+    # too (as the materialized array's would), or scan's carry check fails.
+    seen = []
+
+    def body(w, x):
+        w = jax.lax.pcast(w, "i", to="varying")
+        seen.append(jax.typeof(w))
+
+        def step(carry, _):
+            return carry, jnp.sum(x @ carry)
+
+        _, ys = jax.lax.scan(step, w, None, length=3)
+        return ys
+
+    def f(w, x):
+        return jax.shard_map(body, mesh=MESH, in_specs=(P(), P("i")), out_specs=P("i"))(
+            w, x
+        )
+
+    w = lora()
+    out = qax.use_implicit_args(f)(w, X)
+    assert_close(out, f(w.materialize(), X))
+    implicit_type, dense_type = seen
+    assert implicit_type.manual_axis_type.varying == {"i"}
+    assert implicit_type == dense_type
