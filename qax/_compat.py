@@ -92,6 +92,11 @@ def is_eval_trace(trace: Trace) -> bool:
     return isinstance(trace, EvalTrace)
 
 
+def bind_canonical(trace: Trace, primitive: Primitive, args, params):
+    """Bind `primitive` on `trace` with `args` that `bind` already canonicalized."""
+    return primitive.bind_with_trace(trace, args, tuple(map(typeof, args)), params)
+
+
 def bind_with_trace(trace: Trace, primitive: Primitive, args, params):
     """Bind `primitive` on `trace`, canonicalizing non-tracer `args` as `bind` does.
 

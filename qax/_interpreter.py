@@ -37,7 +37,7 @@ from ._compat import (
     Trace,
     Tracer,
     TraceTag,
-    bind_with_trace,
+    bind_canonical,
     current_trace,
     ensure_no_leaks,
     in_backward_pass,
@@ -262,8 +262,8 @@ class ImplicitTrace(Trace):
             if not implicit and isinstance(t, ImplicitBase):
                 implicit = True
             vals.append(t)
-        if not implicit:
-            return bind_with_trace(self.parent_trace, primitive, vals, params)
+        if not implicit:  # operands straight from `bind`: already canonical
+            return bind_canonical(self.parent_trace, primitive, vals, params)
         out = apply_primitive(self, primitive, vals, params)
         if primitive.multiple_results:
             return [self.wrap(o) for o in out]
