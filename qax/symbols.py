@@ -43,6 +43,7 @@ Array([0., 1., 2.], dtype=float32)
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -297,36 +298,37 @@ def _params_key(params: dict) -> tuple | None:
 
 def _out_aval(primitive, avals: tuple, params: dict):
     """What `primitive` produces for operands of `avals` (cached)."""
-    pkey = _params_key(params)
-    key = (primitive, avals, pkey)
-    if pkey is not None:
-        hit = _abstract_cache.get(key)
-        if hit is not None:
-            return hit
-    out, _ = primitive.abstract_eval(*avals, **params)
-    if pkey is not None:
-        if len(_abstract_cache) > _CACHE_LIMIT:
-            _abstract_cache.clear()
-        _abstract_cache[key] = out
-    return out
+    return _memoized(
+        _abstract_cache,
+        (primitive, avals),
+        params,
+        lambda: primitive.abstract_eval(*avals, **params)[0],
+    )
 
 
 def _evaluate(primitive, values: tuple, params: dict) -> Any:
     """Run `primitive` eagerly on NumPy scalars (also while a `jit` is tracing)."""
+
+    def run():
+        with jax.core.eval_context():
+            return np.asarray(primitive.bind(*values, **params))[()]
+
+    key = (primitive, tuple((v.dtype, v.tobytes()) for v in values))
+    return _memoized(_value_cache, key, params, run)
+
+
+def _memoized(cache: dict, key: tuple, params: dict, compute: Callable) -> Any:
+    """`compute()`, cached in `cache` under `key` and the params (when hashable)."""
     pkey = _params_key(params)
-    key = (primitive, tuple((v.dtype, v.tobytes()) for v in values), pkey)
-    if pkey is not None:
-        hit = _value_cache.get(key)
-        if hit is not None:
-            return hit
-    with jax.core.eval_context():
-        out = primitive.bind(*values, **params)
-    out = np.asarray(out)[()]
-    if pkey is not None:
-        if len(_value_cache) > _CACHE_LIMIT:
-            _value_cache.clear()
-        _value_cache[key] = out
-    return out
+    if pkey is None:
+        return compute()
+    key = (*key, pkey)
+    hit = cache.get(key)
+    if hit is None:
+        if len(cache) > _CACHE_LIMIT:
+            cache.clear()
+        hit = cache[key] = compute()
+    return hit
 
 
 def _fold(primitive, constants: tuple, params: dict) -> SymbolicConstant:

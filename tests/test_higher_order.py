@@ -67,7 +67,8 @@ def test_nested_jit_stays_a_jit_call_without_forming_the_weight():
     assert not forms_full_lora(jaxpr, 5, 6, 2)
 
 
-def test_nested_jit_body_is_cached(monkeypatch):
+def _count_body_traces(monkeypatch) -> list:
+    """Names of the bodies that `trace_body` stages from now on (for cache tests)."""
     calls = []
     original = _higher_order.trace_body
 
@@ -76,6 +77,11 @@ def test_nested_jit_body_is_cached(monkeypatch):
         return original(*args, **kwargs)
 
     monkeypatch.setattr(_higher_order, "trace_body", counting)
+    return calls
+
+
+def test_nested_jit_body_is_cached(monkeypatch):
+    calls = _count_body_traces(monkeypatch)
 
     def f(w, x):
         return _inner_matmul(x, w)
@@ -276,14 +282,7 @@ def _module_level_layer(c, w):
 
 
 def test_scan_body_is_cached(monkeypatch):
-    calls = []
-    original = _higher_order.trace_body
-
-    def counting(*args, **kwargs):
-        calls.append(args[3])
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(_higher_order, "trace_body", counting)
+    calls = _count_body_traces(monkeypatch)
 
     def f(ws, x):
         return lax.scan(_module_level_layer, x, ws)[0]
