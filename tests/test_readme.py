@@ -1,0 +1,34 @@
+"""The README stays true: its example runs, and its first lines are the two commands."""
+
+import pathlib
+import re
+import warnings
+
+import jax.numpy as jnp
+import numpy as np
+
+import qax
+
+README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_readme_starts_with_the_two_commands():
+    blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), re.S)
+    assert blocks[0].strip() == (
+        'python -m pip install -e ".[examples]" && python notebooks/lora_finetune.py'
+    )
+    assert blocks[1].strip() == 'python -m pip install -e ".[test]" && python -m pytest'
+    ci = (README.parent / ".ci" / "run").read_text()
+    assert 'pip install -e ".[test]"' in ci and "pytest" in ci
+
+
+def test_readme_example_runs_without_materializing():
+    (code,) = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    namespace = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", qax.MaterializationWarning)
+        exec(compile(code, str(README), "exec"), namespace)
+    w, y = namespace["w"], namespace["y"]
+    np.testing.assert_allclose(
+        y, jnp.tanh(jnp.ones((4, 8)) @ w.materialize()), rtol=1e-6
+    )
