@@ -30,6 +30,8 @@ _AUX = "qax_aux"
 # Name of the hidden pytree child that carries shape and dtype (see `_witness`).
 WITNESS = "_qax_aval"
 _MISSING = object()
+# Instance attribute caching `aval` (keyed by shape and dtype, in case they are reassigned).
+_AVAL_CACHE = "_qax_aval_cache"
 
 
 def aux_field(metadata: dict | None = None, **kwargs: Any) -> Any:
@@ -248,10 +250,17 @@ class ImplicitArray(ImplicitBase):
         Inside `shard_map` it varies over every mesh axis that one of its leaves varies
         over, as the materialized array would.
         """
+        d = self.__dict__
+        cached = d.get(_AVAL_CACHE)
+        if cached is not None and cached[0] == (self.shape, self.dtype):
+            return cached[1]
         reference, varying = _varying_axes(self)
-        if not varying:
-            return ShapedArray(self.shape, self.dtype)
-        return varying_aval(self.shape, self.dtype, reference, varying)
+        if varying:
+            aval = varying_aval(self.shape, self.dtype, reference, varying)
+        else:
+            aval = ShapedArray(self.shape, self.dtype)
+        d[_AVAL_CACHE] = ((self.shape, self.dtype), aval)
+        return aval
 
     @property
     def ndim(self) -> int:
