@@ -1,0 +1,67 @@
+"""qax.utils tree helpers: implicit arrays as leaves, one-layer flattening, EmptyNode."""
+
+import jax
+import jax.numpy as jnp
+
+import qax
+from qax import utils
+from tests.helpers import LoraMatrix, Zeros, assert_close, make_lora
+
+
+def _nested():
+    return LoraMatrix(jnp.ones((3, 4)), Zeros(shape=(3, 2)), Zeros(shape=(4, 2)))
+
+
+def test_with_implicit_helpers_keep_implicit_arrays_whole():
+    tree = {"w": make_lora(jax.random.PRNGKey(0)), "b": jnp.ones(3), "n": None}
+    leaves, treedef = utils.tree_flatten_with_implicit(tree)
+    assert [type(x).__name__ for x in leaves] == ["ArrayImpl", "LoraMatrix"]
+    assert utils.tree_unflatten(treedef, leaves)["w"] is tree["w"]
+    assert utils.tree_leaves_with_implicit(tree) == leaves
+    assert utils.tree_structure_with_implicit(tree) == treedef
+    shapes = utils.tree_map_with_implicit(lambda x: x.shape, tree)
+    assert shapes == {"w": (6, 5), "b": (3,), "n": None}
+    paths = utils.tree_map_with_path_with_implicit(
+        lambda p, x: jax.tree_util.keystr(p), tree
+    )
+    assert paths["w"] == "['w']"
+    keyed, _ = utils.tree_flatten_with_path_with_implicit(tree)
+    assert [jax.tree_util.keystr(p) for p, _ in keyed] == ["['b']", "['w']"]
+    assert isinstance(keyed[1][1], LoraMatrix)
+    # an extra is_leaf is honoured as well
+    assert utils.tree_leaves_with_implicit(
+        tree, is_leaf=lambda x: isinstance(x, dict)
+    ) == [tree]
+
+
+def test_implicit_depth():
+    assert utils.implicit_depth(jnp.ones(2)) == 0
+    assert utils.implicit_depth(Zeros(shape=(2,))) == 1
+    assert utils.implicit_depth({"a": [_nested()]}) == 2
+
+
+def test_flatten_one_implicit_layer_opens_only_the_outer_arrays():
+    tree = [_nested(), jnp.zeros(2)]
+    leaves, treedef = utils.flatten_one_implicit_layer(tree)
+    kinds = [type(x).__name__ for x in leaves]
+    assert kinds.count("Zeros") == 2 and "LoraMatrix" not in kinds
+    rebuilt = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert isinstance(rebuilt[0], LoraMatrix) and isinstance(rebuilt[0].a, Zeros)
+
+
+def test_empty_node_has_no_leaves():
+    node = qax.EmptyNode()
+    assert jax.tree_util.tree_leaves({"x": node, "y": 1.0}) == [1.0]
+    assert jax.tree_util.tree_map(lambda x: x + 1, {"x": node})["x"] == node
+    assert repr(node) == "EmptyNode()"
+
+
+def test_get_common_prefix_transforms_materializes_only_what_differs():
+    t1 = [Zeros(shape=(3,)), Zeros(shape=(2,))]
+    t2 = [jnp.ones(3), Zeros(shape=(2,))]
+    f1, f2 = utils.get_common_prefix_transforms([t1, t2])
+    out1, out2 = f1(t1), f2(t2)
+    assert not isinstance(out1[0], qax.ImplicitArray) and isinstance(out1[1], Zeros)
+    assert_close(out1[0], jnp.zeros(3))
+    assert_close(out2[0], jnp.ones(3))
+    assert isinstance(out2[1], Zeros)
