@@ -122,17 +122,6 @@ def known_constant(x):
     return None
 
 
-def user_source_line() -> str | None:
-    """`file:line (function)` of the innermost frame outside JAX and qax, if any."""
-    info = _source_info.current()
-    if info.traceback is None:
-        return None
-    frame = _source_info.user_frame(info.traceback)
-    if frame is None:
-        return None
-    return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
-
-
 # The functions that run a backward pass (transposition): `jax.vjp`, `jax.grad`,
 # `jax.linear_transpose` and the transpose rules of control flow all go through them.
 _BACKWARD_PASS_CODE = frozenset(
@@ -175,11 +164,6 @@ def traced_source_line(skip: tuple[str, ...]) -> str | None:
             frame = _source_info.raw_frame_to_frame(code, lasti)
             return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
     return None
-
-
-def register_exclusion(path: str) -> None:
-    """Hide qax's own frames from JAX's "user frame" search and tracebacks."""
-    _source_info.register_exclusion(path)
 
 
 def forget_arg_names(debug_info: DebugInfo | None) -> DebugInfo | None:

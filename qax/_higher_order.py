@@ -194,9 +194,10 @@ def _hoisted(traced: TracedBody) -> tuple[ClosedJaxpr, list]:
 _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _signature(vals: Sequence, *extra: Any) -> tuple:
+def _signature(vals: Sequence, *extra: Any) -> tuple[tuple, list]:
+    """The cache key of a body over `vals` (with `extra`), and their flat leaves."""
     flat, tree = flatten_values(vals)
-    return (*extra, tree, tuple(map(typeof, flat)), _dispatch.generation[0])
+    return (*extra, tree, tuple(map(typeof, flat)), _dispatch.generation[0]), flat
 
 
 def _cached(anchor: Any, key: tuple) -> Any:
@@ -319,7 +320,7 @@ def _jit_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list
     baked = _scalar_literals(vals) if inline else {}
     dynamic = [v for i, v in enumerate(vals) if i not in baked]
     scalars = tuple((i, np.asarray(v).item(), typeof(v)) for i, v in baked.items())
-    key = _signature(dynamic, "jit", scalars)
+    key, flat_dynamic = _signature(dynamic, "jit", scalars)
     entry = _cached(closed, key)
     if entry is None:
 
@@ -335,7 +336,7 @@ def _jit_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list
         replay(entry.traced.events)
     traced = entry.traced
     if inline and is_eval_trace(trace.parent_trace):
-        outs = entry.compiled()(*_leaves(dynamic))
+        outs = entry.compiled()(*flat_dynamic)
         return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 
     out_vals = traced.out_skeleton()
@@ -356,7 +357,7 @@ def _jit_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list
         out_shardings=_per_leaf(out_vals, params["out_shardings"], sharding),
         out_layouts=_per_leaf(out_vals, params["out_layouts"], _const(None)),
     )
-    outs = bind_with_trace(trace.parent_trace, primitive, _leaves(dynamic), new_params)
+    outs = bind_with_trace(trace.parent_trace, primitive, flat_dynamic, new_params)
     return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 
 
@@ -421,7 +422,7 @@ def _cond_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> lis
     index, *ops = vals
     index = _densify_parent(trace, index, primitive.name)
     branches = params["branches"]
-    key = _signature(ops, branches[1:])
+    key, flat_ops = _signature(ops, branches[1:])
     plan = _cached(branches[0], key)
     if plan is None:
         plan, traced = _plan_cond(trace, branches, ops)
@@ -431,7 +432,7 @@ def _cond_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> lis
     outs = bind_with_trace(
         trace.parent_trace,
         primitive,
-        [index, *plan.consts, *_leaves(ops)],
+        [index, *plan.consts, *flat_ops],
         dict(params, branches=plan.branches),
     )
     return jax.tree_util.tree_unflatten(plan.out_tree, outs)
@@ -653,7 +654,7 @@ def _plan_loop(trace, body, consts, init, xs, slice_xs, loop) -> tuple[_LoopPlan
 
 def _loop(trace, anchor, extra_key, body, consts, init, xs, slice_xs, loop):
     """`_plan_loop`, cached: a cached plan is applied to the initial carry again."""
-    key = _signature([*consts, *init, *xs], len(consts), len(init), *extra_key)
+    key, _ = _signature([*consts, *init, *xs], len(consts), len(init), *extra_key)
     plan = _cached(anchor, key)
     if plan is not None:
         carry = _prepare_carry(trace, init, plan, loop)
@@ -767,7 +768,7 @@ def _while_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> li
 
 def _remat_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list:
     jaxpr = params["jaxpr"]  # an open Jaxpr without constvars
-    key = _signature(vals)
+    key, flat_vals = _signature(vals)
     traced = _cached(jaxpr, key)
     if traced is None:
 
@@ -784,7 +785,7 @@ def _remat_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> li
         per_leaf = _per_leaf(vals, prevent_cse, lambda p, _v, _leaf: p)
         prevent_cse = (True,) * len(hoisted) + per_leaf
     new_params = dict(params, jaxpr=body_jaxpr.jaxpr, prevent_cse=prevent_cse)
-    operands = [*hoisted, *_leaves(vals)]
+    operands = [*hoisted, *flat_vals]
     outs = bind_with_trace(trace.parent_trace, primitive, operands, new_params)
     return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 

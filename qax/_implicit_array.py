@@ -29,7 +29,6 @@ from ._interpreter import _implicit_children, enter_current_trace, use_implicit_
 _AUX = "qax_aux"
 # Name of the hidden pytree child that carries shape and dtype (see `_witness`).
 WITNESS = "_qax_aval"
-_MISSING = object()
 # Instance attribute caching `aval` (keyed by shape and dtype, in case they are reassigned).
 _AVAL_CACHE = "_qax_aval_cache"
 

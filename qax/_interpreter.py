@@ -347,13 +347,18 @@ def apply_primitive(
     if rule is not None:
         return rule(trace, primitive, vals, params)
 
-    first = next(v for v in vals if isinstance(v, ImplicitBase))
-    out = call_with_children(
-        trace, type(first).default_handler, primitive, *vals, params=params
-    )
-    if out is not NotImplemented:
-        return out
+    cls = type(next(v for v in vals if isinstance(v, ImplicitBase)))
+    if cls.default_handler.__func__ is not _BASE_DEFAULT_HANDLER:
+        out = call_with_children(
+            trace, cls.default_handler, primitive, *vals, params=params
+        )
+        if out is not NotImplemented:
+            return out
     return materialize_and_bind(trace, primitive, vals, params)
+
+
+# The base rule only says "materialize": classes that keep it skip the call.
+_BASE_DEFAULT_HANDLER = ImplicitBase.default_handler.__func__
 
 
 def materialize_and_bind(trace: ImplicitTrace, primitive: Primitive, vals, params):
