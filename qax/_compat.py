@@ -92,6 +92,35 @@ def is_eval_trace(trace: Trace) -> bool:
     return isinstance(trace, EvalTrace)
 
 
+_STAGING_TRACES = (_pe.DynamicJaxprTrace, _pe.JaxprTrace)
+_DIFFERENTIATING_TRACES = (_ad.JVPTrace, _ad.LinearizeTrace)
+
+
+def _below(trace: Trace, kinds: tuple) -> bool:
+    while not isinstance(trace, EvalTrace):
+        if isinstance(trace, kinds):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+        if trace is None:  # a trace of an unknown kind: assume the worst
+            return True
+    return False
+
+
+def may_stage(trace: Trace) -> bool:
+    """Whether `trace`, or a trace below it, records operations into a jaxpr.
+
+    JAX may differentiate a recorded program later (`jax.grad` of a `jax.jit`ted
+    function). A trace of an unknown kind (one without `parent_trace`) counts as one.
+    """
+    return _below(trace, _STAGING_TRACES)
+
+
+def may_run_rules_later(trace: Trace) -> bool:
+    """Whether custom derivative rules bound on `trace` may run after the bind returns:
+    in a backward pass, or from a recorded program."""
+    return _below(trace, _STAGING_TRACES + _DIFFERENTIATING_TRACES)
+
+
 def bind_canonical(trace: Trace, primitive: Primitive, args, params):
     """Bind `primitive` on `trace` with `args` that `bind` already canonicalized."""
     return primitive.bind_with_trace(trace, args, tuple(map(typeof, args)), params)

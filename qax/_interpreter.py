@@ -204,6 +204,17 @@ def replay(events: list[MaterializationEvent]) -> None:
 # Trace and tracer
 
 
+class ImplicitTag(TraceTag):
+    """The tag of one `use_implicit_args` call, shared by the sub-traces it opens."""
+
+    def __init__(self):
+        # Set when a custom derivative rule, which may close over this call's tracers,
+        # is handed to a transformation that runs it after the call (a backward pass,
+        # a staged program). The rule then sees them through a sub-trace with this tag,
+        # so they are meant to outlive the call.
+        self.rules_outlive_call = False
+
+
 class ImplicitTracer(Tracer):
     """A tracer whose value is an implicit array (never a plain array)."""
 
@@ -541,7 +552,7 @@ def use_implicit_args(f: Callable) -> Callable:
         )
         parent = current_trace()
         reused = _eager_trace(parent)
-        trace = reused or ImplicitTrace(parent, TraceTag())
+        trace = reused or ImplicitTrace(parent, ImplicitTag())
         token = check_declared_avals.set(False)
         try:
             out = _run(trace, f, leaves, treedef)
@@ -549,7 +560,7 @@ def use_implicit_args(f: Callable) -> Callable:
             check_declared_avals.reset(token)
             if reused is not None:
                 _eager.in_use = False
-        if reused is None:
+        if reused is None and not trace.tag.rules_outlive_call:
             with ensure_no_leaks(trace):
                 del trace
         return out
@@ -574,9 +585,22 @@ def _eager_trace(parent: Trace) -> ImplicitTrace | None:
         return None
     trace = getattr(_eager, "trace", None)
     if trace is None or trace.parent_trace is not parent:
-        trace = _eager.trace = ImplicitTrace(parent, TraceTag())
+        trace = _eager.trace = ImplicitTrace(parent, ImplicitTag())
     _eager.in_use = True
     return trace
+
+
+def sub_trace(tag: TraceTag) -> ImplicitTrace:
+    """An `ImplicitTrace` with `tag` on top of the current trace.
+
+    The thread's eager trace when it is that trace (so that JAX's caches keyed on the
+    current trace keep hitting, see `_eager_trace`), else a new one.
+    """
+    parent = current_trace()
+    trace = getattr(_eager, "trace", None)
+    if trace is not None and trace.tag is tag and trace.parent_trace is parent:
+        return trace
+    return ImplicitTrace(parent, tag)
 
 
 def enter_current_trace(values: tuple) -> tuple | None:
