@@ -16,6 +16,8 @@ from jax._src import dtypes as _dtypes
 from jax._src import linear_util as _lu
 from jax._src import source_info_util as _source_info
 from jax._src.interpreters import ad as _ad
+from jax._src.interpreters import batching as _batching
+from jax._src.interpreters import mlir as _mlir
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax.control_flow.common import _merge_common_consts
 from jax._src.shard_map import shard_map_p as shard_map_p
@@ -202,6 +204,20 @@ def forget_arg_names(debug_info: DebugInfo | None) -> DebugInfo | None:
 
 def make_debug_info(name: str) -> DebugInfo:
     return DebugInfo("qax", name, None, None)
+
+
+# -- defining a primitive (`implicit_p` in `qax/_interpreter.py`) -------------------------
+
+primitive_jvps = _ad.primitive_jvps
+primitive_batchers = _batching.primitive_batchers
+instantiate_zeros = _ad.instantiate_zeros
+
+
+def register_lowering_fun(primitive: Primitive, fn) -> None:
+    """Compile `primitive` as the JAX function `fn` of its operands."""
+    _mlir.register_lowering(
+        primitive, _mlir.lower_fun(fn, multiple_results=primitive.multiple_results)
+    )
 
 
 # -- used by the higher-order rules (`qax/_higher_order.py`) ------------------------------
