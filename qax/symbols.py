@@ -22,7 +22,10 @@ compiled program contains no equation for them. The handlers in this module cove
   ``select_n`` with a constant predicate (or equal constant cases), and the ops that only
   move elements: ``broadcast_in_dim``, ``reshape``, ``squeeze``, ``transpose``, ``rev``,
   ``slice``, ``dynamic_slice``, ``gather`` (clamped indices), ``concatenate``/``pad``/
-  ``dynamic_update_slice`` of equal constants, ``cummax``/``cummin``, ``copy``, ``split``.
+  ``dynamic_update_slice`` of equal constants, ``cummax``/``cummin``, ``copy``, ``split``;
+- control values: a ``cond``/``switch`` whose index is a constant runs only the chosen
+  branch, and a rank-0 constant that no handler covers (a dynamic index ``x[i]``, a
+  ``clamp`` bound) is passed as a literal, as a Python scalar would be.
 
 Anything else falls back to the standard rule: the constant is materialized (a broadcast
 of one scalar) with a `qax.MaterializationWarning`.
