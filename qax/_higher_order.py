@@ -891,7 +891,9 @@ def _remat_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> li
 _SETTLE_REASON = (
     "`{name}` has a custom derivative rule and was called on implicit arrays; its "
     "output {index} is an implicit {cls} holding differentiable data, for which the "
-    "rule cannot give tangents, so it is materialized."
+    "rule cannot give tangents, so it is materialized: it is differentiated here, or "
+    "recorded (under `jit`, `checkpoint`, ...) in a program that JAX may differentiate "
+    "later. Called outside such a transformation, the output stays implicit."
 )
 
 

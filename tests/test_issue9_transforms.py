@@ -181,6 +181,24 @@ def test_custom_vjp_output_stays_implicit_under_non_staging_transforms(transform
         assert_close(jax.grad(loss)(2.0), jnp.sum(dense(_scaled())) * 2.0)
 
 
+def test_custom_vjp_output_recorded_under_jit_is_materialized_and_honours_rule():
+    # JAX may differentiate a recorded program later (here: `grad` of the `jit`), when
+    # the rule must apply to a dense output; so under `jit` it is materialized.
+    run = jax.jit(qax.use_implicit_args(_double))
+    with materializations() as found:
+        assert_close(run(_scaled()), dense(_scaled()) * 2.0)
+    assert any("recorded" in msg for msg in found)
+
+    def loss(f):
+        return lambda s: jnp.sum(jnp.sin(f(s)))
+
+    with materializations():
+        got = jax.grad(loss(run))(_scaled())
+    expected = jax.grad(loss(lambda s: _double(dense(s))))(_scaled())
+    assert_close(got.x, expected.x)
+    assert_close(got.s, expected.s)
+
+
 @pytest.mark.parametrize("mode", ["grad", "jit_grad"])
 def test_custom_vjp_output_differentiated_honours_rule(mode):
     with materializations() as found:
