@@ -17,6 +17,7 @@ from jax._src import linear_util as _lu
 from jax._src import source_info_util as _source_info
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import batching as _batching
+from jax._src.interpreters import mlir as _mlir
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax.control_flow.common import _merge_common_consts
 from jax._src.shard_map import shard_map_p as shard_map_p
@@ -91,6 +92,35 @@ def current_trace() -> Trace:
 
 def is_eval_trace(trace: Trace) -> bool:
     return isinstance(trace, EvalTrace)
+
+
+_STAGING_TRACES = (_pe.DynamicJaxprTrace, _pe.JaxprTrace)
+_DIFFERENTIATING_TRACES = (_ad.JVPTrace, _ad.LinearizeTrace)
+
+
+def _below(trace: Trace, kinds: tuple) -> bool:
+    while not isinstance(trace, EvalTrace):
+        if isinstance(trace, kinds):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+        if trace is None:  # a trace of an unknown kind: assume the worst
+            return True
+    return False
+
+
+def may_stage(trace: Trace) -> bool:
+    """Whether `trace`, or a trace below it, records operations into a jaxpr.
+
+    JAX may differentiate a recorded program later (`jax.grad` of a `jax.jit`ted
+    function). A trace of an unknown kind (one without `parent_trace`) counts as one.
+    """
+    return _below(trace, _STAGING_TRACES)
+
+
+def may_run_rules_later(trace: Trace) -> bool:
+    """Whether custom derivative rules bound on `trace` may run after the bind returns:
+    in a backward pass, or from a recorded program."""
+    return _below(trace, _STAGING_TRACES + _DIFFERENTIATING_TRACES)
 
 
 def bind_canonical(trace: Trace, primitive: Primitive, args, params):
@@ -174,6 +204,20 @@ def forget_arg_names(debug_info: DebugInfo | None) -> DebugInfo | None:
 
 def make_debug_info(name: str) -> DebugInfo:
     return DebugInfo("qax", name, None, None)
+
+
+# -- defining a primitive (`implicit_p` in `qax/_interpreter.py`) -------------------------
+
+primitive_jvps = _ad.primitive_jvps
+primitive_batchers = _batching.primitive_batchers
+instantiate_zeros = _ad.instantiate_zeros
+
+
+def register_lowering_fun(primitive: Primitive, fn) -> None:
+    """Compile `primitive` as the JAX function `fn` of its operands."""
+    _mlir.register_lowering(
+        primitive, _mlir.lower_fun(fn, multiple_results=primitive.multiple_results)
+    )
 
 
 # -- used by the higher-order rules (`qax/_higher_order.py`) ------------------------------

@@ -61,6 +61,8 @@ from ._compat import (
     known_constant,
     make_debug_info,
     mapped_aval,
+    may_run_rules_later,
+    may_stage,
     merge_common_consts,
     primitives_module,
     pvary_p,
@@ -82,6 +84,7 @@ from ._interpreter import (
     replay,
     report,
     structural_rules,
+    sub_trace,
 )
 from ._structure import common_structure_paths, describe, materialize_at, value_at
 
@@ -135,6 +138,7 @@ def trace_body(
     name: str,
     *,
     in_avals: Sequence | None = None,
+    declared: Sequence | None = None,
     fix_outs: Callable[[list], list] | None = None,
 ) -> tuple[TracedBody, list]:
     """Stage `body` (run on wrapped implicit values) into a jaxpr over flat leaves.
@@ -149,6 +153,10 @@ def trace_body(
       name: used in the jaxpr's debug info.
       in_avals: the avals of the flat input leaves, if not those of `in_vals` (a scan
         body sees slices of its `xs`).
+      declared: the avals that the original body declares for `in_vals`, one per
+        value. A plain value is traced with the declared weak type, as JAX runs a body
+        whose inputs are weaker than the operands bound to it (the tangent inputs of a
+        differentiated `jnp` function are as weak as its primal inputs).
       fix_outs: applied to the output values (plain values, no tracers of the
         sub-trace) before they are flattened, e.g. to materialize some of them.
 
@@ -158,6 +166,8 @@ def trace_body(
     flat_in, in_tree = flatten_values(in_vals)
     if in_avals is None:
         in_avals = [typeof(x) for x in flat_in]
+        if declared is not None:
+            in_avals = _declared_weak_types(in_vals, declared, in_avals)
     out_trees = []
 
     def flat_body(*leaves):
@@ -180,6 +190,18 @@ def trace_body(
         )
     traced = TracedBody(ClosedJaxpr(jaxpr, consts), out_trees[-1], events, out_avals)
     return traced, flat_in
+
+
+def _declared_weak_types(vals: Sequence, declared: Sequence, avals: list) -> list:
+    """`avals` (of the flat leaves of `vals`), with plain values as weak as declared."""
+    out = []
+    for v, d, group in zip(vals, declared, _per_value(vals, avals), strict=True):
+        if not isinstance(v, ImplicitBase):
+            (a,) = group
+            if a.weak_type != d.weak_type and (a.shape, a.dtype) == (d.shape, d.dtype):
+                group = [a.update(weak_type=d.weak_type)]
+        out.extend(group)
+    return out
 
 
 def _jaxpr_body(closed: ClosedJaxpr) -> Callable[[list], list]:
@@ -338,7 +360,8 @@ def _jit_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list
             args = [baked[i] if i in baked else next(it) for i in range(len(vals))]
             return eval_jaxpr(closed.jaxpr, closed.consts, *args)
 
-        traced, _ = trace_body(trace, body, dynamic, params["name"])
+        declared = [a for i, a in enumerate(closed.in_avals) if i not in baked]
+        traced, _ = trace_body(trace, body, dynamic, params["name"], declared=declared)
         entry = _JitEntry(traced)
         _store(closed, key, entry, [traced])
     else:
@@ -379,8 +402,26 @@ class _JitEntry:
 
     def compiled(self) -> Callable:
         if self._compiled is None:
-            self._compiled = jax.jit(jaxpr_as_fun(self.traced.jaxpr))
+            closed = self.traced.jaxpr
+            run = jaxpr_as_fun(closed)
+            weak = [a.weak_type for a in closed.in_avals]
+            if any(weak):  # the body was traced with weaker inputs than given
+
+                def run(*leaves, _body=run):
+                    return _body(*map(_weaken, leaves, weak))
+
+            self._compiled = jax.jit(run)
         return self._compiled
+
+
+def _weaken(x: Any, weak: bool) -> Any:
+    """`x`, weakly typed if `weak` (as a body traced for a weak input sees it)."""
+    aval = typeof(x)
+    if not weak or aval.weak_type:
+        return x
+    return jax.lax.convert_element_type_p.bind(
+        x, new_dtype=aval.dtype, weak_type=True, sharding=None
+    )
 
 
 def _scalar_literals(vals: Sequence) -> dict[int, Any]:
@@ -453,7 +494,7 @@ def _plan_cond(trace: ImplicitTrace, branches: Sequence, ops: list):
     Returns the plan and the staged branches.
     """
     traced = [
-        trace_body(trace, _jaxpr_body(b), ops, f"branch{i}")[0]
+        trace_body(trace, _jaxpr_body(b), ops, f"branch{i}", declared=b.in_avals)[0]
         for i, b in enumerate(branches)
     ]
     events = [e for t in traced for e in t.events]
@@ -478,7 +519,12 @@ def _plan_cond(trace: ImplicitTrace, branches: Sequence, ops: list):
                     isinstance(value_at(skeletons[i], p), ImplicitBase) for p in paths
                 ):
                     traced[i], _ = trace_body(
-                        trace, _jaxpr_body(branch), ops, f"branch{i}", fix_outs=fix
+                        trace,
+                        _jaxpr_body(branch),
+                        ops,
+                        f"branch{i}",
+                        declared=branch.in_avals,
+                        fix_outs=fix,
                     )
         new_events = [e for e in held if e not in events]
         replay(new_events)
@@ -818,7 +864,8 @@ def _remat_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> li
         def body(wrapped):
             return eval_jaxpr(jaxpr, (), *wrapped)
 
-        traced, _ = trace_body(trace, body, vals, "checkpoint")
+        declared = [v.aval for v in jaxpr.invars]
+        traced, _ = trace_body(trace, body, vals, "checkpoint", declared=declared)
         _store(jaxpr, key, traced, [traced])
     else:
         replay(traced.events)
@@ -844,7 +891,9 @@ def _remat_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> li
 _SETTLE_REASON = (
     "`{name}` has a custom derivative rule and was called on implicit arrays; its "
     "output {index} is an implicit {cls} holding differentiable data, for which the "
-    "rule cannot give tangents, so it is materialized."
+    "rule cannot give tangents, so it is materialized: it is differentiated here, or "
+    "recorded (under `jit`, `checkpoint`, ...) in a program that JAX may differentiate "
+    "later. Called outside such a transformation, the output stays implicit."
 )
 
 
@@ -857,6 +906,7 @@ class _Outputs:
         self.avals = None  # per output: the represented aval
         self.sizes = None  # per output: number of leaves
         self.res_tree = None  # custom_vjp: structure of the residuals
+        self.differentiable = False  # an implicit output holds differentiable data
 
     def decide(self, outs: list) -> None:
         self.tree = jax.tree_util.tree_structure(outs)
@@ -865,6 +915,9 @@ class _Outputs:
             o.aval if isinstance(o, ImplicitBase) else typeof(o) for o in outs
         ]
         self.sizes = [len(jax.tree_util.tree_leaves(o)) for o in outs]
+        self.differentiable = any(
+            isinstance(o, ImplicitBase) and _differentiable(o) for o in outs
+        )
 
 
 def _has_implicit(vals: Sequence) -> bool:
@@ -878,7 +931,7 @@ def _fun_name(fun: Any) -> str:
 
 def _enter(tag, vals: Sequence) -> tuple[ImplicitTrace, list]:
     """A sub-trace of the current trace, and `vals` wrapped into it."""
-    sub = ImplicitTrace(current_trace(), tag)
+    sub = sub_trace(tag)
     return sub, [sub.wrap(v) for v in vals]
 
 
@@ -906,8 +959,18 @@ def _settle(outs: list, name: str, primitive: str) -> list:
     return settled
 
 
+_KEPT_DIFFERENTIATED = (
+    "`{name}` has a custom derivative rule and returned an implicit array holding "
+    "differentiable data; it was kept implicit because no enclosing transformation "
+    "could differentiate it, but JAX now differentiates it, and the rule cannot give "
+    "tangents for an implicit output. This is a bug in qax: please report it."
+)
+
+
 def _decided_primal_leaves(info: _Outputs, primals_out: list, name: str) -> list:
     """Leaves of a rule's primal outputs, in the structure the function's outputs have."""
+    if info.differentiable:
+        raise RuntimeError(_KEPT_DIFFERENTIATED.format(name=name))
     settled = [
         p if kept else _quiet_dense(p)
         for kept, p in zip(info.kept, primals_out, strict=True)
@@ -933,7 +996,8 @@ def _implicit_fun(f, tag, in_tree, info: _Outputs, settle: tuple | None, *leaves
         outs = f(*wrapped)
     del wrapped
     outs = _unwrap_all(sub, outs)
-    if settle is not None:
+    if settle is not None and may_stage(sub.parent_trace):
+        # Recorded, so maybe differentiated later, when the rule must apply.
         outs = _settle(outs, *settle)
     info.decide(outs)
     return jax.tree_util.tree_leaves(outs)
@@ -1044,10 +1108,20 @@ def _implicit_jvp(f, tag, in_tree, info: _Outputs, name, symbolic_zeros, *args):
     return [*primal_leaves, *tangent_leaves]
 
 
+def _note_deferred_rules(trace: ImplicitTrace) -> None:
+    """Mark `trace`'s call when the rules bound now may run after it returns.
+
+    The rules may close over the call's tracers (they are seen again through a
+    sub-trace with the same tag), so those are not leaks; see `ImplicitTag`.
+    """
+    if may_run_rules_later(trace.parent_trace):
+        trace.tag.rules_outlive_call = True
+
+
 def _custom_jvp_rule(trace, primitive, fun, jvp, vals, *, symbolic_zeros):
-    if not _has_implicit(vals):
-        params = dict(subfuns=(fun, jvp), symbolic_zeros=symbolic_zeros)
-        return bind_with_trace(trace.parent_trace, primitive, vals, params)
+    # Wrapped even without implicit operands: the function and its rule may close over
+    # implicit values (or get them through `nondiff_argnums`), which only a sub-trace
+    # with this trace's tag can see.
     in_tree, name, info = jax.tree_util.tree_structure(vals), _fun_name(fun), _Outputs()
     settle = (name, primitive.name)
     fun2 = transformation2(_implicit_fun, fun, trace.tag, in_tree, info, settle)
@@ -1055,6 +1129,7 @@ def _custom_jvp_rule(trace, primitive, fun, jvp, vals, *, symbolic_zeros):
         _implicit_jvp, jvp, trace.tag, in_tree, info, name, symbolic_zeros
     )
     params = dict(subfuns=(fun2, jvp2), symbolic_zeros=symbolic_zeros)
+    _note_deferred_rules(trace)
     outs = bind_with_trace(trace.parent_trace, primitive, _leaves(vals), params)
     return [trace.wrap(o) for o in jax.tree_util.tree_unflatten(info.tree, outs)]
 
@@ -1125,11 +1200,7 @@ def _implicit_bwd(f, tag, in_implicit, info: _Outputs, *args):
 def _custom_vjp_rule(
     trace, primitive, fun, fwd, bwd, vals, *, out_trees, symbolic_zeros
 ):
-    if not _has_implicit(vals):
-        params = dict(
-            subfuns=(fun, fwd, bwd), out_trees=out_trees, symbolic_zeros=symbolic_zeros
-        )
-        return bind_with_trace(trace.parent_trace, primitive, vals, params)
+    # Wrapped even without implicit operands (see `_custom_jvp_rule`).
     in_tree, name, info = jax.tree_util.tree_structure(vals), _fun_name(fun), _Outputs()
     in_implicit = tuple(isinstance(v, ImplicitBase) for v in vals)
     settle = (name, primitive.name)
@@ -1145,6 +1216,7 @@ def _custom_vjp_rule(
     params = dict(
         subfuns=(fun2, fwd2, bwd2), out_trees=out_trees2, symbolic_zeros=symbolic_zeros
     )
+    _note_deferred_rules(trace)
     outs = bind_with_trace(trace.parent_trace, primitive, _leaves(vals), params)
     return [trace.wrap(o) for o in jax.tree_util.tree_unflatten(info.tree, outs)]
 

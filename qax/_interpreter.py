@@ -17,7 +17,8 @@ import os
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -33,6 +34,8 @@ from ._base import (
     quiet_materialization,
 )
 from ._compat import (
+    ClosedJaxpr,
+    Jaxpr,
     Primitive,
     Trace,
     Tracer,
@@ -41,7 +44,11 @@ from ._compat import (
     current_trace,
     ensure_no_leaks,
     in_backward_pass,
+    instantiate_zeros,
     is_eval_trace,
+    primitive_batchers,
+    primitive_jvps,
+    register_lowering_fun,
     set_current_trace,
     traced_source_line,
     typeof,
@@ -204,6 +211,17 @@ def replay(events: list[MaterializationEvent]) -> None:
 # Trace and tracer
 
 
+class ImplicitTag(TraceTag):
+    """The tag of one `use_implicit_args` call, shared by the sub-traces it opens."""
+
+    def __init__(self):
+        # Set when a custom derivative rule, which may close over this call's tracers,
+        # is handed to a transformation that runs it after the call (a backward pass,
+        # a staged program). The rule then sees them through a sub-trace with this tag,
+        # so they are meant to outlive the call.
+        self.rules_outlive_call = False
+
+
 class ImplicitTracer(Tracer):
     """A tracer whose value is an implicit array (never a plain array)."""
 
@@ -222,6 +240,11 @@ class ImplicitTracer(Tracer):
 
 class ImplicitTrace(Trace):
     """Interprets primitives on implicit arrays; see the module docstring."""
+
+    # Set once an implicit value has entered a nested transformation's trace (see
+    # `implicit_p`): from then on, bodies that hold one are interpreted even when the
+    # primitive that carries them has no implicit operand.
+    created_implicit = False
 
     def __init__(self, parent_trace: Trace, tag: TraceTag):
         super().__init__()
@@ -263,8 +286,15 @@ class ImplicitTrace(Trace):
                 implicit = True
             vals.append(t)
         if not implicit:  # operands straight from `bind`: already canonical
-            return bind_canonical(self.parent_trace, primitive, vals, params)
-        out = apply_primitive(self, primitive, vals, params)
+            if not (
+                self.created_implicit
+                and primitive in structural_rules
+                and holds_created_implicit(params)
+            ):
+                return bind_canonical(self.parent_trace, primitive, vals, params)
+            out = structural_rules[primitive](self, primitive, vals, params)
+        else:
+            out = apply_primitive(self, primitive, vals, params)
         if primitive.multiple_results:
             return [self.wrap(o) for o in out]
         return self.wrap(out)
@@ -573,7 +603,7 @@ def use_implicit_args(f: Callable) -> Callable:
         )
         parent = current_trace()
         reused = _eager_trace(parent)
-        trace = reused or ImplicitTrace(parent, TraceTag())
+        trace = reused or ImplicitTrace(parent, ImplicitTag())
         token = check_declared_avals.set(False)
         try:
             out = _run(trace, f, leaves, treedef)
@@ -581,7 +611,7 @@ def use_implicit_args(f: Callable) -> Callable:
             check_declared_avals.reset(token)
             if reused is not None:
                 _eager.in_use = False
-        if reused is None:
+        if reused is None and not trace.tag.rules_outlive_call:
             with ensure_no_leaks(trace):
                 del trace
         return out
@@ -606,17 +636,180 @@ def _eager_trace(parent: Trace) -> ImplicitTrace | None:
         return None
     trace = getattr(_eager, "trace", None)
     if trace is None or trace.parent_trace is not parent:
-        trace = _eager.trace = ImplicitTrace(parent, TraceTag())
+        trace = _eager.trace = ImplicitTrace(parent, ImplicitTag())
     _eager.in_use = True
     return trace
 
 
+def sub_trace(tag: TraceTag) -> ImplicitTrace:
+    """An `ImplicitTrace` with `tag` on top of the current trace.
+
+    The thread's eager trace when it is that trace (so that JAX's caches keyed on the
+    current trace keep hitting, see `_eager_trace`), else a new one.
+    """
+    parent = current_trace()
+    trace = getattr(_eager, "trace", None)
+    if trace is not None and trace.tag is tag and trace.parent_trace is parent:
+        return trace
+    return ImplicitTrace(parent, tag)
+
+
 def enter_current_trace(values: tuple) -> tuple | None:
-    """Wrap implicit `values` into the current `ImplicitTrace`, if one is current."""
+    """Implicit `values` as values of the current trace, if `use_implicit_args` is on.
+
+    In an `ImplicitTrace`, they are wrapped as its tracers. In a transformation that
+    runs inside `use_implicit_args` (a `jit`, `grad`, `vmap` or `checkpoint` of a
+    function called there), they enter that transformation's trace through
+    `implicit_p`, which gives the `ImplicitTrace` below the implicit value back.
+    Otherwise (no `use_implicit_args` active) None.
+    """
     trace = current_trace()
     if isinstance(trace, ImplicitTrace):
         return tuple(trace.wrap(v) for v in values)
+    if _implicit_trace_below(trace):
+        return tuple(box(v) if isinstance(v, ImplicitBase) else v for v in values)
     return None
+
+
+def _implicit_trace_below(trace: Trace) -> bool:
+    while trace is not None and not is_eval_trace(trace):
+        if isinstance(trace, ImplicitTrace):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
+# ----------------------------------------------------------------------------------------
+# Implicit values created under a nested transformation
+#
+# A function transformed inside `use_implicit_args` (`use_implicit_args(jax.jit(f))`)
+# runs on the transformation's trace, which cannot hold an implicit array that `f`
+# creates. Such a value enters that trace as `implicit_p` of its leaves: a primitive
+# whose result looks like the dense array. Transformations that pass it on (`vmap` and
+# `grad` do when its leaves are not batched or differentiated) hand it to the
+# `ImplicitTrace` below, which takes the implicit value back; a staged one (`jit`,
+# `checkpoint`) meets the `ImplicitTrace` when the staged body is interpreted again by
+# its rule. Where no `ImplicitTrace` takes it, the value is materialized.
+
+_OUTSIDE_REASON = (
+    "An implicit {cls} created inside a transformation that ran inside "
+    "`qax.use_implicit_args` is now evaluated outside of it (for example, a `jax.jit` "
+    "function first traced inside `use_implicit_args` and called again outside), so "
+    "it is materialized. Call the function inside `use_implicit_args` to keep it "
+    "implicit."
+)
+_BATCHED_REASON = (
+    "An implicit {cls} was built inside `jax.vmap` from batched values; a `vmap` "
+    "applied inside `qax.use_implicit_args` cannot keep it implicit, so it is "
+    "materialized. Apply `vmap` outside `use_implicit_args` "
+    "(`jax.vmap(qax.use_implicit_args(f))`) to keep it implicit."
+)
+_DIFFERENTIATED_REASON = (
+    "An implicit {cls} was built inside `jax.grad`/`jax.jvp` from differentiated "
+    "values; a derivative taken inside `qax.use_implicit_args` sees it as a dense "
+    "array, so its tangent is formed through `materialize()`. Take the derivative "
+    "outside (`jax.grad(qax.use_implicit_args(f))`) to keep it implicit."
+)
+
+
+class _ImplicitPrimitive(Primitive):
+    """`implicit_p`: see the comment above."""
+
+    def bind_with_trace(self, trace, args, avals, params, /):
+        if isinstance(trace, ImplicitTrace):
+            leaves = [trace.to_value(a) for a in args]
+            return trace.wrap(jax.tree_util.tree_unflatten(params["tree"], leaves))
+        return trace.process_primitive(self, args, params)
+
+
+implicit_p = _ImplicitPrimitive("qax_implicit")
+
+
+def box(value: ImplicitBase) -> Any:
+    """`value` as a value of the current (non-implicit) trace; see `implicit_p`."""
+    ImplicitTrace.created_implicit = True
+    leaves, tree = jax.tree_util.tree_flatten(value)
+    return implicit_p.bind(*leaves, tree=tree, aval=value.aval)
+
+
+# Per jaxpr: whether it (or a jaxpr inside it) binds `implicit_p`.
+_holds_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def holds_created_implicit(params: dict) -> bool:
+    """Whether a primitive's `params` hold a body that binds `implicit_p`.
+
+    A body traced inside `use_implicit_args` keeps its `implicit_p` equations when JAX
+    reuses the trace, so this looks at the body itself (once per jaxpr).
+    """
+    for value in params.values():
+        for item in value if isinstance(value, tuple) else (value,):
+            if isinstance(item, (Jaxpr, ClosedJaxpr)) and _jaxpr_holds(item):
+                return True
+    return False
+
+
+def _jaxpr_holds(jaxpr: Any) -> bool:
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)  # a ClosedJaxpr's open jaxpr
+    found = _holds_cache.get(jaxpr)
+    if found is None:
+        found = _holds_cache[jaxpr] = any(
+            eqn.primitive is implicit_p or holds_created_implicit(eqn.params)
+            for eqn in jaxpr.eqns
+        )
+    return found
+
+
+def _report_unboxed(tree: Any, leaves: Sequence, reason: str) -> None:
+    """Report the materialization of the value of `leaves` that `reason` explains."""
+    if quiet_materialization.get():
+        return
+    value = jax.tree_util.tree_unflatten(tree, list(leaves))
+    why = reason.format(cls=type(value).__name__)
+    shape, dtype = tuple(value.shape), value.dtype
+    report(
+        MaterializationEvent(
+            implicit_p.name, type(value), shape, dtype, _source_line(), why
+        )
+    )
+
+
+def _unboxed_dense(tree: Any, *leaves: Any) -> Any:
+    """The dense array that the implicit value with `leaves` represents (reported)."""
+    token = quiet_materialization.set(True)
+    try:
+        value = jax.tree_util.tree_unflatten(tree, list(leaves))
+        return materialize_nested(value, full=True)
+    finally:
+        quiet_materialization.reset(token)
+
+
+def _implicit_impl(*leaves, tree, aval):
+    _report_unboxed(tree, leaves, _OUTSIDE_REASON)
+    return _unboxed_dense(tree, *leaves)
+
+
+def _implicit_jvp(primals, tangents, *, tree, aval):
+    out = implicit_p.bind(*primals, tree=tree, aval=aval)
+    _report_unboxed(tree, primals, _DIFFERENTIATED_REASON)
+    tangents = tuple(instantiate_zeros(t) for t in tangents)
+    dense = functools.partial(_unboxed_dense, tree)
+    return out, jax.jvp(dense, tuple(primals), tangents)[1]
+
+
+def _implicit_batch(args, dims, *, tree, aval):
+    _report_unboxed(tree, args, _BATCHED_REASON)
+    # `dims` holds None for the leaves that are not batched, as `in_axes` does.
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    dense = functools.partial(_unboxed_dense, tree)
+    return jax.vmap(dense, in_axes=list(dims), axis_size=size)(*args), 0
+
+
+implicit_p.def_impl(_implicit_impl)
+implicit_p.def_abstract_eval(lambda *avals, tree, aval: aval)
+register_lowering_fun(implicit_p, _implicit_impl)
+primitive_jvps[implicit_p] = _implicit_jvp
+primitive_batchers[implicit_p] = _implicit_batch
 
 
 def materialize_nested(implicit_arr: Any, full: bool = False) -> Any:

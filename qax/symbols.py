@@ -22,7 +22,10 @@ compiled program contains no equation for them. The handlers in this module cove
   ``select_n`` with a constant predicate (or equal constant cases), and the ops that only
   move elements: ``broadcast_in_dim``, ``reshape``, ``squeeze``, ``transpose``, ``rev``,
   ``slice``, ``dynamic_slice``, ``gather`` (clamped indices), ``concatenate``/``pad``/
-  ``dynamic_update_slice`` of equal constants, ``cummax``/``cummin``, ``copy``, ``split``.
+  ``dynamic_update_slice`` of equal constants, ``cummax``/``cummin``, ``copy``, ``split``;
+- control values: a ``cond``/``switch`` whose index is a constant runs only the chosen
+  branch, and a rank-0 constant that no handler covers (a dynamic index ``x[i]``, a
+  ``clamp`` bound) is passed as a literal, as a Python scalar would be.
 
 Anything else falls back to the standard rule: the constant is materialized (a broadcast
 of one scalar) with a `qax.MaterializationWarning`.
@@ -152,6 +155,24 @@ class SymbolicConstant(ImplicitArray):
 
     def _same_value(self, other: SymbolicConstant) -> bool:
         return self.dtype == other.dtype and self._bits == other._bits
+
+    @classmethod
+    def default_handler(cls, primitive: Any, *args: Any, params: dict) -> Any:
+        """Rank-0 constants where no handler applies are passed as literals.
+
+        A known scalar (a dynamic index ``x[i]``, a ``clamp`` bound, a ``switch``
+        index) is what a Python scalar is in plain JAX: a literal, which costs nothing
+        to form, so it is not reported as a materialization. Other constants, and
+        operations that involve other implicit types, get the standard rule.
+        """
+        implicit = [a for a in args if isinstance(a, ImplicitArray)]
+        if not all(isinstance(a, SymbolicConstant) and not a.shape for a in implicit):
+            return NotImplemented
+        args = [
+            _scalar(a.value, a.weak_type) if isinstance(a, SymbolicConstant) else a
+            for a in args
+        ]
+        return primitive.bind(*args, **primitive.get_bind_params(params))
 
 
 def symbolic_full_like(
@@ -613,6 +634,26 @@ def _dense_case(case: Any, out: jax.core.ShapedArray) -> Any:
     if not isinstance(case, SymbolicConstant):
         return case
     return _broadcast(case.value, case.weak_type, out.shape)
+
+
+# ----------------------------------------------------------------------------------------
+# Control flow on a known index
+
+
+@primitive_handler("cond")
+def _cond(
+    primitive, index: SymbolicConstant, *operands: ArrayValue, branches, **params
+):
+    """A `lax.cond`/`lax.switch` whose branch index is known: only that branch runs.
+
+    As in XLA, an index outside the branches selects the last one.
+    """
+    i = int(index.value)
+    branch = branches[i if 0 <= i < len(branches) else len(branches) - 1]
+    run = jax.extend.core.jaxpr_as_fun(branch)
+    if any(isinstance(x, ImplicitArray) for x in operands):
+        return use_implicit_args(run)(*operands)
+    return run(*operands)
 
 
 # ----------------------------------------------------------------------------------------
