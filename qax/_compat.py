@@ -202,3 +202,13 @@ def merge_common_consts(jaxprs, all_consts):
     and the de-duplicated constants: what `lax.cond` itself does before binding.
     """
     return _merge_common_consts(jaxprs, all_consts)
+
+
+# -- implicit arrays handed to JAX functions outside `use_implicit_args` -----------------
+
+# The modules of `jax.numpy` that ask an argument for `__jax_array__`: its array-like check
+# (every `jnp` function) and its array constructors (`jnp.asarray`, `jnp.array`). JAX's
+# binary operators ask too, but must not get an answer (see `qax/_outside.py`).
+JNP_ARRAYLIKE_CHECK = "jax._src.numpy.util"
+JNP_CONSTRUCTORS = "jax._src.numpy.array_constructors"
+

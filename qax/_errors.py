@@ -92,3 +92,19 @@ UNKNOWN_PRIMITIVE = """\
 Unknown primitive name {name!r}: there is no `jax.lax.{name}_p` (nor \
 `jax.extend.core.primitives.{name}_p`).{suggestion} Pass a name from `qax.constants` or the \
 `jax.extend.core.Primitive` object itself."""
+
+OUTSIDE_WRAPPER = """\
+`{function}` received a {cls}, which is an implicit array, outside \
+`qax.use_implicit_args`. JAX functions (`jnp.*`, `jax.nn.*`) see implicit arrays only in \
+a function wrapped with `qax.use_implicit_args`, where handlers apply: call \
+`qax.use_implicit_args(f)(...)` instead of `f(...)`, or pass `x.materialize()` to work on \
+the dense array."""
+
+CONVERTED = """\
+A {cls} was converted to a dense array by `{how}` outside `qax.use_implicit_args`, so it \
+was materialized."""
+
+TRACED_TO_NUMPY = """\
+This {cls} holds traced values (it is used inside `jax.jit`, `jax.grad`, ...), so it \
+cannot become a NumPy array. Use it inside a function wrapped with \
+`qax.use_implicit_args`, or call `x.materialize()` for the dense JAX array."""

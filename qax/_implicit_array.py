@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 
+from . import _outside
 from ._base import ImplicitBase, check_declared_avals, quiet_materialization
 from ._compat import (
     ShapedArray,
@@ -409,3 +410,16 @@ for _name in (
 ):
     setattr(ImplicitArray, _name, _method(_name))
 ImplicitArray.T = property(_implicit_method(lambda x: x.T))
+
+# Outside `use_implicit_args`: conversions materialize, iteration stops after `len(x)`
+# rows, `jnp` functions name the wrapper (the rule is in `qax/_outside.py`).
+ImplicitArray.__getitem__ = _outside.getitem
+ImplicitArray.__iter__ = _outside.iterate
+ImplicitArray.__array__ = _outside.to_numpy
+ImplicitArray.__jax_array__ = property(_outside.jax_array_protocol)
+for _convert in (bool, int, float, complex):
+    setattr(
+        ImplicitArray,
+        f"__{_convert.__name__}__",
+        functools.partialmethod(_outside.scalar, _convert),
+    )
