@@ -211,4 +211,3 @@ def merge_common_consts(jaxprs, all_consts):
 # binary operators ask too, but must not get an answer (see `qax/_outside.py`).
 JNP_ARRAYLIKE_CHECK = "jax._src.numpy.util"
 JNP_CONSTRUCTORS = "jax._src.numpy.array_constructors"
-

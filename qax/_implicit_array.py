@@ -423,3 +423,46 @@ for _convert in (bool, int, float, complex):
         f"__{_convert.__name__}__",
         functools.partialmethod(_outside.scalar, _convert),
     )
+
+
+# The original Qax's pytree methods (downstream code splits and merges trees with them).
+def _tree_flatten_with_keys(self: ImplicitArray) -> tuple[list, tuple]:
+    """One level of the pytree: ``(children, aux_data)``, as in the original Qax.
+
+    `children` holds ``(jax.tree_util.GetAttrKey(name), value)`` for every child field
+    and `aux_data` the values of the `aux_field` fields (``shape`` and ``dtype`` first),
+    both in declaration order. ``type(x).tree_unflatten(aux_data, values)`` rebuilds `x`.
+
+    >>> children, aux = lora.tree_flatten_with_keys()
+    >>> [key.name for key, _ in children]
+    ['w', 'a', 'b']
+    """
+    children, aux = [], []
+    for f in dataclasses.fields(self):
+        value = self.__dict__.get(f.name)
+        if f.metadata.get(_AUX):
+            aux.append(value)
+        else:
+            children.append((jax.tree_util.GetAttrKey(f.name), value))
+    return children, tuple(aux)
+
+
+def _tree_unflatten(cls: type, aux_data: Any, children: Any) -> ImplicitArray:
+    """Rebuild an instance from `tree_flatten_with_keys`'s ``aux_data`` and the values
+    of its children (without their keys), as in the original Qax.
+
+    >>> children, aux = lora.tree_flatten_with_keys()
+    >>> LoraMatrix.tree_unflatten(aux, [w, a2, b2])  # same base, new factors
+    """
+    obj = object.__new__(cls)
+    d = obj.__dict__
+    aux_values, child_values = iter(aux_data), iter(children)
+    for f in dataclasses.fields(cls):
+        d[f.name] = next(aux_values if f.metadata.get(_AUX) else child_values)
+    shape = d.get("shape")
+    d[WITNESS] = None if shape is None else _witness(tuple(shape), d.get("dtype"))
+    return obj
+
+
+ImplicitArray.tree_flatten_with_keys = _tree_flatten_with_keys
+ImplicitArray.tree_unflatten = classmethod(_tree_unflatten)

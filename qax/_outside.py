@@ -60,7 +60,9 @@ def _densify(x: ImplicitBase, how: str) -> Any:
     return materialize_nested(x, full=True)
 
 
-def to_numpy(x: ImplicitBase, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+def to_numpy(
+    x: ImplicitBase, dtype: Any = None, copy: bool | None = None
+) -> np.ndarray:
     """`x.__array__`: the dense NumPy array, materialized with a warning.
 
     Raises:
@@ -142,8 +144,7 @@ def iterate(x: ImplicitBase) -> Iterator[Any]:
     """`iter(x)`: the `len(x)` rows ``x[0], x[1], ...`` (each through the interpreter)."""
     if not x.shape:
         raise TypeError("iteration over a 0-d array")
-    for i in range(x.shape[0]):
-        yield getitem(x, i)
+    return (getitem(x, i) for i in range(x.shape[0]))
 
 
 def scalar(x: ImplicitBase, convert: type) -> Any:

@@ -250,3 +250,47 @@ def test_per_type_default_handler():
     out = qax.use_implicit_args(lambda t: jnp.sin(t) * 2 + 1)(x)
     assert isinstance(out, BackwardTag)
     assert_close(out.array, jnp.sin(jnp.arange(4.0)) * 2 + 1)
+
+
+def test_original_tree_flatten_with_keys_and_tree_unflatten():
+    lora = make_lora(jax.random.PRNGKey(0), 4, 3)
+    children, aux = lora.tree_flatten_with_keys()
+    assert [key.name for key, _ in children] == ["w", "a", "b"]
+    assert all(isinstance(key, jax.tree_util.GetAttrKey) for key, _ in children)
+    assert (4, 3) in aux
+    rebuilt = LoraMatrix.tree_unflatten(aux, [value for _, value in children])
+    assert type(rebuilt) is LoraMatrix
+    assert rebuilt.shape == lora.shape and rebuilt.dtype == lora.dtype
+    assert jax.tree_util.tree_structure(rebuilt) == jax.tree_util.tree_structure(lora)
+    for x, y in zip(
+        jax.tree_util.tree_leaves(rebuilt), jax.tree_util.tree_leaves(lora)
+    ):
+        assert x is y
+
+
+def test_tree_unflatten_merges_new_children():
+    # How downstream code splits LoRA trees and merges trained factors back in.
+    lora = make_lora(jax.random.PRNGKey(0), 4, 3)
+    children, aux = lora.tree_flatten_with_keys()
+    new = {"a": lora.a * 2, "b": lora.b}
+    merged = type(lora).tree_unflatten(
+        aux, [new.get(key.name, value) for key, value in children]
+    )
+    expected = lora.w + (2 * lora.a) @ lora.b.T
+    assert_close(qax.materialize_nested(merged), expected)
+
+
+def test_tree_methods_keep_aux_fields():
+    @dataclass
+    class Scaled(qax.ImplicitArray):
+        x: qax.ArrayValue
+        scale: float = qax.aux_field(default=2.0)
+
+        def materialize(self):
+            return self.x * self.scale
+
+    s = Scaled(jnp.ones(3), scale=3.0)
+    children, aux = s.tree_flatten_with_keys()
+    assert [key.name for key, _ in children] == ["x"] and 3.0 in aux
+    back = Scaled.tree_unflatten(aux, [jnp.zeros(3)])
+    assert back.scale == 3.0 and back.shape == (3,)
