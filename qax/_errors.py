@@ -108,3 +108,9 @@ TRACED_TO_NUMPY = """\
 This {cls} holds traced values (it is used inside `jax.jit`, `jax.grad`, ...), so it \
 cannot become a NumPy array. Use it inside a function wrapped with \
 `qax.use_implicit_args`, or call `x.materialize()` for the dense JAX array."""
+
+HALF_BUILT = """\
+{fields} {verb} None: an implicit array with missing fields (as `eqx.partition` \
+leaves them) reached `qax.use_implicit_args`. Pass the complete value, e.g. \
+`eqx.combine(params, static)`, or give the field a value. (The call failed with \
+{error}.)"""

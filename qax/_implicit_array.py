@@ -332,27 +332,47 @@ def _canonical_dtype(dtype: Any) -> np.dtype:
 
 
 def _eval_shape_of_materialize(obj: ImplicitArray) -> Any:
-    """`jax.eval_shape` of `obj.materialize()`, quietly; `obj` may be half-built."""
-    children = _implicit_children(obj)
+    """`jax.eval_shape` of `obj.materialize()`, quietly; `obj` may be half-built.
 
-    def run() -> Any:
+    Child fields given as `jax.ShapeDtypeStruct`s (for `jax.eval_shape` or AOT
+    lowering) have no values: they become abstract arguments of `eval_shape`.
+    """
+    structs = _shape_dtype_struct_fields(obj)
+
+    def run(*values: Any) -> Any:
+        target = obj
+        if structs:
+            target = copy.copy(obj)
+            for name, value in zip(structs, values):
+                object.__setattr__(target, name, value)
+        children = _implicit_children(target)
         if not children:
-            return type(obj).materialize(obj)
+            return type(target).materialize(target)
         names = [n for n, _ in children]
 
         def inner(*values):
-            clone = copy.copy(obj)
+            clone = copy.copy(target)
             for n, v in zip(names, values):
                 object.__setattr__(clone, n, v)
-            return type(obj).materialize(clone)
+            return type(target).materialize(clone)
 
         return use_implicit_args(inner)(*[c for _, c in children])
 
     token = quiet_materialization.set(True)
     try:
-        return jax.eval_shape(run)
+        return jax.eval_shape(run, *(getattr(obj, n) for n in structs))
     finally:
         quiet_materialization.reset(token)
+
+
+def _shape_dtype_struct_fields(obj: ImplicitArray) -> list[str]:
+    """The child fields of `obj` that are pytrees of `jax.ShapeDtypeStruct`s."""
+    found = []
+    for name in type(obj)._qax_child_names():
+        leaves = jax.tree_util.tree_leaves(getattr(obj, name, None))
+        if leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+            found.append(name)
+    return found
 
 
 _BINARY = {

@@ -410,6 +410,37 @@ def _implicit_children(value: ImplicitBase) -> list[tuple[str, Any]]:
     return found
 
 
+def _half_built_fields(value: ImplicitBase) -> list[str]:
+    """``Type.field`` for each child field of `value` (or of an implicit array nested in
+    it) that is None, as `eqx.partition` leaves them."""
+    found = []
+    for name in type(value)._qax_child_names():
+        child = getattr(value, name, None)
+        if child is None:
+            found.append(f"{type(value).__name__}.{name}")
+        elif isinstance(child, ImplicitBase):
+            found += _half_built_fields(child)
+    return found
+
+
+def _raise_if_half_built(leaves: list, error: Exception) -> None:
+    """Re-raise `error` as a `TypeError` naming the None fields, if an implicit array
+    among `leaves` has some: the likely cause of a failure deep inside dispatch."""
+    fields = [
+        f for leaf in leaves if is_implicit(leaf) for f in _half_built_fields(leaf)
+    ]
+    if not fields:
+        return
+    lines = str(error).strip().splitlines()
+    raise TypeError(
+        _errors.HALF_BUILT.format(
+            fields=", ".join(f"`{f}`" for f in fields),
+            verb="is" if len(fields) == 1 else "are",
+            error=f"{type(error).__name__}: {lines[0].rstrip('.') if lines else ''}",
+        )
+    ) from None
+
+
 def call_with_children(trace: ImplicitTrace, fn: Callable, *args: Any, **kwargs: Any):
     """Call user code (a handler, `materialize`) on implicit values.
 
@@ -545,6 +576,9 @@ def use_implicit_args(f: Callable) -> Callable:
         token = check_declared_avals.set(False)
         try:
             out = _run(trace, f, leaves, treedef)
+        except Exception as e:
+            _raise_if_half_built(leaves, e)
+            raise
         finally:
             check_declared_avals.reset(token)
             if reused is not None:

@@ -294,3 +294,23 @@ def test_tree_methods_keep_aux_fields():
     assert [key.name for key, _ in children] == ["x"] and 3.0 in aux
     back = Scaled.tree_unflatten(aux, [jnp.zeros(3)])
     assert back.scale == 3.0 and back.shape == (3,)
+
+
+def test_shape_is_inferred_from_shape_dtype_struct_fields():
+    sds = jax.ShapeDtypeStruct
+    abstract = LoraMatrix(
+        sds((4, 3), jnp.float32), sds((4, 2), jnp.float32), sds((3, 2), jnp.float32)
+    )
+    assert abstract.shape == (4, 3) and abstract.dtype == jnp.float32
+
+    def f(w, x):
+        return x @ w
+
+    x = sds((2, 4), jnp.float32)
+    out = jax.eval_shape(qax.use_implicit_args(f), abstract, x)
+    assert out.shape == (2, 3) and out.dtype == jnp.float32
+    # AOT: lower for the abstract value, run on a concrete one.
+    compiled = jax.jit(qax.use_implicit_args(f)).lower(abstract, x).compile()
+    concrete = make_lora(jax.random.PRNGKey(0), 4, 3)
+    ones = jnp.ones((2, 4))
+    assert_close(compiled(concrete, ones), ones @ concrete.materialize())

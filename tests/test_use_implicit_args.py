@@ -248,3 +248,33 @@ def test_eager_calls_nested_in_handlers_get_their_own_trace(without_leak_checks)
             lambda w, x: x @ w + inner(Zeros(shape=(5,)), x @ w)
         )(nested, jnp.arange(3.0))
     assert_close(out, 2 * (jnp.arange(3.0) @ jnp.ones((3, 5))))
+
+
+def test_half_built_value_names_its_none_fields():
+    # What `eqx.partition(params, eqx.is_array)` leaves in the static half.
+    lora = make_lora(KEY, 6, 5)
+    half = jax.tree_util.tree_map(lambda _: None, lora)
+    assert half.w is None and half.shape == (6, 5)
+
+    def f(p, x):
+        return x @ p["w"]
+
+    with pytest.raises(TypeError, match=r"`LoraMatrix\.w`, `LoraMatrix\.a`.* None"):
+        qax.use_implicit_args(f)({"w": half}, jnp.ones((2, 6)))
+    with pytest.raises(TypeError, match="eqx.combine"):
+        jax.jit(qax.use_implicit_args(f))({"w": half}, jnp.ones((2, 6)))
+
+
+def test_types_with_optional_none_fields_still_work():
+    @dataclass
+    class MaybeBias(qax.ImplicitArray):
+        x: qax.ArrayValue
+        bias: qax.ArrayValue | None = None
+
+        def materialize(self):
+            return self.x if self.bias is None else self.x + self.bias
+
+    value = MaybeBias(jnp.ones(3))
+    with pytest.warns(qax.MaterializationWarning):
+        out = qax.use_implicit_args(lambda v: v * 2)(value)
+    assert_close(out, 2 * jnp.ones(3))
