@@ -7,6 +7,7 @@ upgrade is a change to this file alone. Written against JAX 0.10.x.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import jax
 import jax.extend.core as jex_core
@@ -148,9 +149,10 @@ def in_backward_pass() -> bool:
     return False
 
 
-def traced_source_line(skip: tuple[str, ...]) -> str | None:
-    """`file:line (function)` of the innermost user frame (outside JAX and `skip`) of the
-    traceback JAX attached to what it evaluates now, if any.
+def traced_source_line(skip: Callable[[str], bool]) -> str | None:
+    """`file:line (function)` of the innermost user frame (outside JAX, and not a file
+    for which `skip(filename)` is true) of the traceback JAX attached to what it
+    evaluates now, if any.
 
     In a backward pass that is the traceback of the forward operation being transposed.
     """
@@ -160,7 +162,7 @@ def traced_source_line(skip: tuple[str, ...]) -> str | None:
     codes, lastis = traceback.raw_frames()
     for code, lasti in zip(codes, lastis, strict=False):
         name = code.co_filename
-        if _source_info.is_user_filename(name) and not name.startswith(skip):
+        if _source_info.is_user_filename(name) and not skip(name):
             frame = _source_info.raw_frame_to_frame(code, lasti)
             return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
     return None

@@ -98,15 +98,24 @@ def _package_dir(module: Any) -> str:
     return os.path.dirname(os.path.abspath(module.__file__)) + os.sep
 
 
+# Frames skipped when looking for the user's line (warnings' stacklevel, the audit's
+# source column): qax, JAX, plum, the standard library, and every installed package
+# (Flax, optax, ...: anything under a site-packages or dist-packages directory, wherever
+# the environment keeps it; a virtualenv's is not under the standard library's).
 _SKIP_DIRS = tuple(
     _package_dir(m) for m in (sys.modules[__package__], jax, jaxlib, plum, contextlib)
 )
+_INSTALLED = tuple(f"{os.sep}{d}{os.sep}" for d in ("site-packages", "dist-packages"))
+
+
+def _is_library_file(filename: str) -> bool:
+    return filename.startswith(_SKIP_DIRS) or any(d in filename for d in _INSTALLED)
 
 
 def _stacklevel() -> int:
     """The `stacklevel` that points a warning at the first frame outside JAX and qax."""
     frame, level = sys._getframe(2), 2
-    while frame is not None and frame.f_code.co_filename.startswith(_SKIP_DIRS):
+    while frame is not None and _is_library_file(frame.f_code.co_filename):
         frame, level = frame.f_back, level + 1
     return level
 
@@ -150,11 +159,11 @@ def _source_line() -> str | None:
     the user line of the forward operation being transposed, when JAX knows it.
     """
     if in_backward_pass():
-        line = traced_source_line(_SKIP_DIRS)
+        line = traced_source_line(_is_library_file)
         if line is not None:
             return line
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_SKIP_DIRS):
+    while frame is not None and _is_library_file(frame.f_code.co_filename):
         frame = frame.f_back
     if frame is None:
         return None
