@@ -16,6 +16,7 @@ from jax._src import core as _core
 from jax._src import dtypes as _dtypes
 from jax._src import linear_util as _lu
 from jax._src import source_info_util as _source_info
+from jax._src import traceback_util as _traceback_util
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax.control_flow.common import _merge_common_consts
@@ -213,3 +214,20 @@ def merge_common_consts(jaxprs, all_consts):
 # binary operators ask too, but must not get an answer (see `qax/_outside.py`).
 JNP_ARRAYLIKE_CHECK = "jax._src.numpy.util"
 JNP_CONSTRUCTORS = "jax._src.numpy.array_constructors"
+
+
+# -- tracebacks -------------------------------------------------------------------------
+
+api_boundary = _traceback_util.api_boundary
+
+
+def hide_frames_of(path: str) -> None:
+    """Leave the frames of files under `path` out of the tracebacks JAX filters (as JAX
+    leaves out its own), so that the user's lines stand out."""
+    _traceback_util.register_exclusion(path)
+
+
+def is_stack_before_transformation(e: BaseException | None) -> bool:
+    """Whether `e` is the copy of the user's stack that JAX chains to an error raised
+    while it re-evaluated a traced operation."""
+    return isinstance(e, _source_info.JaxStackTraceBeforeTransformation)

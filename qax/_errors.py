@@ -55,6 +55,15 @@ class HandlerError(TypeError):
     """A primitive handler was ambiguous or returned something of the wrong type."""
 
 
+# Shown as `qax.HandlerError` (where users catch them), not `qax._errors.HandlerError`.
+for _cls in (
+    MaterializationWarning,
+    UninitializedAval,
+    MaterializationError,
+    HandlerError,
+):
+    _cls.__module__ = "qax"
+
 MATERIALIZE_WARNING = (
     "Primitive {primitive} was not handled by class {cls}, so implicit args will be "
     "materialized."

@@ -37,11 +37,14 @@ from ._compat import (
     Trace,
     Tracer,
     TraceTag,
+    api_boundary,
     bind_canonical,
     current_trace,
     ensure_no_leaks,
+    hide_frames_of,
     in_backward_pass,
     is_eval_trace,
+    is_stack_before_transformation,
     set_current_trace,
     traced_source_line,
     typeof,
@@ -587,6 +590,7 @@ def use_implicit_args(f: Callable) -> Callable:
             out = _run(trace, f, leaves, treedef)
         except Exception as e:
             _raise_if_half_built(leaves, e)
+            _show_once(e)
             raise
         finally:
             check_declared_avals.reset(token)
@@ -597,7 +601,28 @@ def use_implicit_args(f: Callable) -> Callable:
                 del trace
         return out
 
-    return implicit_f
+    return api_boundary(implicit_f)
+
+
+# qax's frames are left out of the tracebacks JAX filters, like JAX's own.
+hide_frames_of(_package_dir(sys.modules[__package__]))
+
+_QAX_ERRORS = (
+    _errors.HandlerError,
+    _errors.MaterializationError,
+    _errors.UninitializedAval,
+)
+
+
+def _show_once(error: Exception) -> None:
+    """Drop the copy of the stack that JAX chains to qax's own errors raised while it
+    re-evaluated a traced operation: the error would be printed twice, and the filtered
+    traceback already ends at the user's line."""
+    if isinstance(error, _QAX_ERRORS) and is_stack_before_transformation(
+        error.__cause__
+    ):
+        error.__cause__ = None
+        error.__suppress_context__ = True
 
 
 _eager = threading.local()

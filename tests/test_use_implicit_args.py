@@ -278,3 +278,32 @@ def test_types_with_optional_none_fields_still_work():
     with pytest.warns(qax.MaterializationWarning):
         out = qax.use_implicit_args(lambda v: v * 2)(value)
     assert_close(out, 2 * jnp.ones(3))
+
+
+@dataclass
+class WrongShape(qax.ImplicitArray):
+    x: qax.ArrayValue
+
+    def materialize(self):
+        return self.x
+
+
+@qax.primitive_handler("sin")
+def _wrong_shape_sin(primitive, x: WrongShape):
+    return jnp.ones(7)
+
+
+@pytest.mark.parametrize("outer", [lambda f: f, jax.jit], ids=["eager", "jit"])
+def test_qax_errors_are_shown_once_without_qax_frames(outer):
+    import traceback
+
+    def user_function(x):
+        return jnp.sin(x)  # the user's line
+
+    with pytest.raises(qax.HandlerError) as info:
+        outer(qax.use_implicit_args(user_function))(WrongShape(jnp.ones(3)))
+    text = "".join(traceback.format_exception(info.value))
+    assert text.count("returned float32[7]") == 1, text
+    assert "/qax/" not in text.replace("qax.HandlerError", ""), text
+    assert "the user's line" in text
+    assert "qax.HandlerError" in text
