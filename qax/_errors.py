@@ -18,10 +18,15 @@ class UninitializedAval(Exception):
 
     def __init__(self, kind: str, cls_name: str = "ImplicitArray", cause: str = ""):
         self.kind = kind
-        message = UNINITIALIZED_AVAL.format(kind=kind, cls=cls_name)
+        ways = UNINITIALIZED_AVAL.format(kind=kind, cls=cls_name)
         if cause:
-            message += f"\n(Inferring it from `materialize()` failed with: {cause})"
-        super().__init__(message)
+            # The cause first: usually the fields themselves are wrong (LoRA factors
+            # of mismatched shapes), and passing `shape=` would only hide that.
+            ways = (
+                UNINITIALIZED_AVAL_CAUSE.format(kind=kind, cls=cls_name, cause=cause)
+                + ways.split("\n", 1)[1]
+            )
+        super().__init__(ways)
 
 
 class MaterializationError(RuntimeError):
@@ -83,6 +88,13 @@ Could not determine the {kind} of this {cls}. Provide it in one of these ways:
   - set the class attribute `default_{kind} = ...`
   - make `materialize()` work on the fields alone, so that it can be inferred with
     `jax.eval_shape`"""
+
+UNINITIALIZED_AVAL_CAUSE = """\
+Could not determine the {kind} of this {cls}: `materialize()` fails on its fields with
+  {cause}
+Check the fields (their shapes must fit together in `materialize()`). If they are right,
+provide the {kind} in one of these ways:
+"""
 
 AMBIGUOUS_HANDLER = """\
 Handlers for primitive `{primitive}` are ambiguous for operand types ({types}):

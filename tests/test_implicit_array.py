@@ -314,3 +314,11 @@ def test_shape_is_inferred_from_shape_dtype_struct_fields():
     concrete = make_lora(jax.random.PRNGKey(0), 4, 3)
     ones = jnp.ones((2, 4))
     assert_close(compiled(concrete, ones), ones @ concrete.materialize())
+
+
+def test_mismatched_lora_factors_lead_with_the_cause():
+    with pytest.raises(qax.UninitializedAval) as info:
+        LoraMatrix(jnp.ones((4, 3)), jnp.ones((4, 2)), jnp.ones((3, 5)))
+    headline, cause = str(info.value).splitlines()[:2]
+    assert "materialize()" in headline and "shape=" not in headline
+    assert "contracting dimensions" in cause
