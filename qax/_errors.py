@@ -135,3 +135,11 @@ HALF_BUILT = """\
 leaves them) reached `qax.use_implicit_args`. Pass the complete value, e.g. \
 `eqx.combine(params, static)`, or give the field a value. (The call failed with \
 {error}.)"""
+
+FIELD_OF_TRACER = """\
+Inside a function wrapped with `qax.use_implicit_args`, a {cls} is seen as the array it \
+represents (a JAX tracer of its shape and dtype), so its field `{name}` cannot be read \
+here. Fields are readable outside the wrapped function, and inside handlers \
+(`@qax.primitive_handler`) and `materialize()`, which receive the {cls} itself: read \
+`x.{name}` before the call and pass it as an argument, or write a handler for the \
+operation."""

@@ -231,6 +231,17 @@ class ImplicitTracer(Tracer):
     def _contents(self):
         return [("value", self.value)]
 
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            value = object.__getattribute__(self, "value")
+            if name in _field_names(type(value)):
+                raise AttributeError(
+                    _errors.FIELD_OF_TRACER.format(cls=type(value).__name__, name=name)
+                ) from None
+            raise
+
 
 class ImplicitTrace(Trace):
     """Interprets primitives on implicit arrays; see the module docstring."""
@@ -422,6 +433,11 @@ def _implicit_children(value: ImplicitBase) -> list[tuple[str, Any]]:
     return found
 
 
+def _field_names(cls: type) -> tuple[str, ...]:
+    names = getattr(cls, "__dataclass_fields__", None)
+    return tuple(names) if names else ()
+
+
 def _half_built_fields(value: ImplicitBase) -> list[str]:
     """``Type.field`` for each child field of `value` (or of an implicit array nested in
     it) that is None, as `eqx.partition` leaves them."""
@@ -561,9 +577,14 @@ def use_implicit_args(f: Callable) -> Callable:
 
     The returned function takes the same arguments as `f`; any pytree leaf may be an
     implicit array (at any depth, also nested inside other implicit arrays). Inside, `f`
-    sees them as JAX arrays of their `shape`/`dtype`; primitives on them are routed to
-    handlers (see `apply_primitive` for the order). Implicit arrays may be returned. It
-    composes with `jax.jit`, `jax.grad`, `jax.vmap` and friends on either side.
+    sees them as JAX arrays of their `shape`/`dtype` (their fields are not readable
+    there). Each primitive applied to one is resolved in this order: a handler
+    registered with `qax.primitive_handler` for the operand types; for `jit`, `scan`,
+    `cond`, `while_loop`, `checkpoint` and custom derivatives, the function body runs on
+    the implicit values; the class's `default_handler`; otherwise the implicit operands
+    are materialized, with a `qax.MaterializationWarning`. Implicit arrays may be
+    returned. It composes with `jax.jit`, `jax.grad`, `jax.vmap` and friends on either
+    side.
 
     >>> @qax.use_implicit_args
     ... def f(w, x):

@@ -307,3 +307,18 @@ def test_qax_errors_are_shown_once_without_qax_frames(outer):
     assert "/qax/" not in text.replace("qax.HandlerError", ""), text
     assert "the user's line" in text
     assert "qax.HandlerError" in text
+
+
+def test_reading_a_field_inside_the_wrapped_function_explains_where_it_can_be_read():
+    lora = make_lora(KEY, 6, 5)
+    with pytest.raises(AttributeError, match=r"field `a`.*handlers.*before the call"):
+        qax.use_implicit_args(lambda w: w.a)(lora)
+    with pytest.raises(AttributeError, match="no attribute"):
+        qax.use_implicit_args(lambda w: w.not_a_field)(lora)
+    assert qax.use_implicit_args(lambda w: w.shape)(lora) == (6, 5)
+
+
+def test_use_implicit_args_docstring_names_no_private_function():
+    doc = qax.use_implicit_args.__doc__
+    assert "apply_primitive" not in doc and "`_" not in doc
+    assert "handler" in doc
