@@ -111,7 +111,13 @@ _SKIP_DIRS = tuple(
 _INSTALLED = tuple(f"{os.sep}{d}{os.sep}" for d in ("site-packages", "dist-packages"))
 
 
+# The example models (`qax.examples`) are model code, like the user's own: never skipped.
+_EXAMPLES_DIR = f"{_SKIP_DIRS[0]}examples{os.sep}"
+
+
 def _is_library_file(filename: str) -> bool:
+    if filename.startswith(_EXAMPLES_DIR):
+        return False
     return filename.startswith(_SKIP_DIRS) or any(d in filename for d in _INSTALLED)
 
 
