@@ -5,7 +5,7 @@
 
 The walk-through, in the order the code below does it:
 
-1. Build a GPT-2 style model with Flax (`models.py`; it knows nothing about qax) and
+1. Build a GPT-2 style model with Flax (`qax.examples.models`; it knows nothing about qax) and
    random-initialise it from a fixed seed. It plays the part of a pretrained model.
 2. Replace every `Dense` kernel W by a `LoraMatrix(w=W, a=A, b=B)`: an implicit array that
    *behaves* like the dense matrix W + s·A·Bᵀ but is stored as its three factors. B starts
@@ -35,10 +35,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from models import GPT, CharTokenizer, GPTConfig, random_variables
 from tqdm.auto import tqdm
 
 import qax
+from qax.examples.models import GPT, CharTokenizer, GPTConfig, random_variables
 
 CORPUS = pathlib.Path(__file__).with_name("data") / "corpus.txt"
 

@@ -20,6 +20,7 @@ import contextvars
 import dataclasses
 import os
 import re
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -363,12 +364,19 @@ def _format_bytes(n: int) -> str:
 
 
 def short_path(path: str) -> str:
-    """`path` relative to the working directory if it lies inside it."""
+    """`path` relative to the working directory if it lies inside it, else relative to
+    the `sys.path` entry it was imported from (``qax/examples/models.py`` wherever qax is
+    installed), else as it is."""
     try:
         rel = os.path.relpath(path)
     except ValueError:  # another drive on Windows
         return path
-    return path if rel.startswith("..") else rel
+    if not rel.startswith(".."):
+        return rel
+    full = os.path.abspath(path)
+    roots = [os.path.abspath(p) + os.sep for p in sys.path if p]
+    inside = [root for root in roots if full.startswith(root)]
+    return full[len(max(inside, key=len)) :] if inside else path
 
 
 def _short_source(source: str | None) -> str:

@@ -7,6 +7,7 @@ upgrade is a change to this file alone. Written against JAX 0.10.x.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import jax
 import jax.extend.core as jex_core
@@ -15,6 +16,7 @@ from jax._src import core as _core
 from jax._src import dtypes as _dtypes
 from jax._src import linear_util as _lu
 from jax._src import source_info_util as _source_info
+from jax._src import traceback_util as _traceback_util
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import mlir as _mlir
@@ -179,9 +181,10 @@ def in_backward_pass() -> bool:
     return False
 
 
-def traced_source_line(skip: tuple[str, ...]) -> str | None:
-    """`file:line (function)` of the innermost user frame (outside JAX and `skip`) of the
-    traceback JAX attached to what it evaluates now, if any.
+def traced_source_line(skip: Callable[[str], bool]) -> str | None:
+    """`file:line (function)` of the innermost user frame (outside JAX, and not a file
+    for which `skip(filename)` is true) of the traceback JAX attached to what it
+    evaluates now, if any.
 
     In a backward pass that is the traceback of the forward operation being transposed.
     """
@@ -191,7 +194,7 @@ def traced_source_line(skip: tuple[str, ...]) -> str | None:
     codes, lastis = traceback.raw_frames()
     for code, lasti in zip(codes, lastis, strict=False):
         name = code.co_filename
-        if _source_info.is_user_filename(name) and not name.startswith(skip):
+        if _source_info.is_user_filename(name) and not skip(name):
             frame = _source_info.raw_frame_to_frame(code, lasti)
             return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
     return None
@@ -258,3 +261,29 @@ def register_vmappable(cls: type, to_elt, from_elt) -> None:
     part). `jax.vmap` flattens its arguments and results with these types as leaves.
     """
     _batching.register_vmappable(cls, int, int, to_elt, from_elt, None)
+
+
+# -- implicit arrays handed to JAX functions outside `use_implicit_args` -----------------
+
+# The modules of `jax.numpy` that ask an argument for `__jax_array__`: its array-like check
+# (every `jnp` function) and its array constructors (`jnp.asarray`, `jnp.array`). JAX's
+# binary operators ask too, but must not get an answer (see `qax/_outside.py`).
+JNP_ARRAYLIKE_CHECK = "jax._src.numpy.util"
+JNP_CONSTRUCTORS = "jax._src.numpy.array_constructors"
+
+
+# -- tracebacks -------------------------------------------------------------------------
+
+api_boundary = _traceback_util.api_boundary
+
+
+def hide_frames_of(path: str) -> None:
+    """Leave the frames of files under `path` out of the tracebacks JAX filters (as JAX
+    leaves out its own), so that the user's lines stand out."""
+    _traceback_util.register_exclusion(path)
+
+
+def is_stack_before_transformation(e: BaseException | None) -> bool:
+    """Whether `e` is the copy of the user's stack that JAX chains to an error raised
+    while it re-evaluated a traced operation."""
+    return isinstance(e, _source_info.JaxStackTraceBeforeTransformation)

@@ -25,6 +25,23 @@ ArrayValue = Union[jax.Array, ImplicitBase]  # noqa: UP007 (plum needs a typing.
 
 # Names that are not `jax.lax.<name>_p` but that users (and the original Qax) use.
 _ALIASES = {"pjit": "jit", "remat": "remat2", "checkpoint": "remat2"}
+# `jnp` operations whose primitive has another name: what "did you mean" suggests first.
+_HINTS = {
+    "matmul": "dot_general",
+    "dot": "dot_general",
+    "einsum": "dot_general",
+    "tensordot": "dot_general",
+    "multiply": "mul",
+    "subtract": "sub",
+    "divide": "div",
+    "power": "pow",
+    "getitem": "gather",
+    "take": "gather",
+    "where": "select_n",
+    "maximum": "max",
+    "minimum": "min",
+    "astype": "convert_element_type",
+}
 
 _functions: dict[Primitive, plum.Function] = {}
 _cache: dict[tuple, Callable | None] = {}
@@ -53,6 +70,9 @@ def resolve_primitive(primitive: str | Primitive) -> Primitive:
         if isinstance(found, Primitive):
             return found
     close = difflib.get_close_matches(primitive, _all_primitive_names(), n=3)
+    hint = _HINTS.get(primitive)
+    if hint is not None:
+        close = [hint, *(c for c in close if c != hint)][:3]
     suggestion = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
     raise ValueError(
         _errors.UNKNOWN_PRIMITIVE.format(name=primitive, suggestion=suggestion)
@@ -201,8 +221,7 @@ def describe_handler(fn: Callable) -> str:
 def _ambiguity_error(primitive, function, signature, types) -> _errors.HandlerError:
     found = candidates(primitive, types)
     lines = "\n".join(
-        f"  - {describe_handler(m.implementation)} with signature {m.signature}"
-        for m in found
+        f"  - {_describe_signature(m)}{_location(m.implementation)}" for m in found
     )
     type_names = ", ".join(t.__name__ for t in types)
     return _errors.HandlerError(
@@ -210,6 +229,43 @@ def _ambiguity_error(primitive, function, signature, types) -> _errors.HandlerEr
             primitive=primitive.name, types=type_names, candidates=lines
         )
     )
+
+
+def _describe_signature(method: Any) -> str:
+    """``name(primitive, a: LoraMatrix, b: qax.ArrayValue)`` for a plum method."""
+    fn = method.implementation
+    try:
+        names = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        names = []
+    types = method.signature.types[1:]  # the first is the primitive
+    args = [names[0] if names else "primitive"]
+    for i, t in enumerate(types, start=1):
+        name = names[i] if i < len(names) else f"arg{i}"
+        args.append(f"{name}: {_type_name(t)}")
+    if method.signature.has_varargs:
+        args.append(f"*args: {_type_name(method.signature.varargs)}")
+    return f"{getattr(fn, '__name__', 'handler')}({', '.join(args)})"
+
+
+def _location(fn: Callable) -> str:
+    try:
+        return f" at {inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
+    except (OSError, TypeError):
+        return ""
+
+
+def _type_name(t: Any) -> str:
+    if t == ArrayValue:
+        return "qax.ArrayValue"
+    if t is Any:
+        return "Any"
+    args = getattr(t, "__args__", None)
+    if args and getattr(t, "__origin__", None) is Union:
+        return " | ".join(_type_name(a) for a in args)
+    if t is jax.Array:
+        return "jax.Array"
+    return getattr(t, "__name__", repr(t))
 
 
 def default_handler(primitive: Primitive | str, *args: Any, **params: Any) -> Any:

@@ -18,10 +18,15 @@ class UninitializedAval(Exception):
 
     def __init__(self, kind: str, cls_name: str = "ImplicitArray", cause: str = ""):
         self.kind = kind
-        message = UNINITIALIZED_AVAL.format(kind=kind, cls=cls_name)
+        ways = UNINITIALIZED_AVAL.format(kind=kind, cls=cls_name)
         if cause:
-            message += f"\n(Inferring it from `materialize()` failed with: {cause})"
-        super().__init__(message)
+            # The cause first: usually the fields themselves are wrong (LoRA factors
+            # of mismatched shapes), and passing `shape=` would only hide that.
+            ways = (
+                UNINITIALIZED_AVAL_CAUSE.format(kind=kind, cls=cls_name, cause=cause)
+                + ways.split("\n", 1)[1]
+            )
+        super().__init__(ways)
 
 
 class MaterializationError(RuntimeError):
@@ -55,6 +60,15 @@ class HandlerError(TypeError):
     """A primitive handler was ambiguous or returned something of the wrong type."""
 
 
+# Shown as `qax.HandlerError` (where users catch them), not `qax._errors.HandlerError`.
+for _cls in (
+    MaterializationWarning,
+    UninitializedAval,
+    MaterializationError,
+    HandlerError,
+):
+    _cls.__module__ = "qax"
+
 MATERIALIZE_WARNING = (
     "Primitive {primitive} was not handled by class {cls}, so implicit args will be "
     "materialized."
@@ -75,6 +89,13 @@ Could not determine the {kind} of this {cls}. Provide it in one of these ways:
   - make `materialize()` work on the fields alone, so that it can be inferred with
     `jax.eval_shape`"""
 
+UNINITIALIZED_AVAL_CAUSE = """\
+Could not determine the {kind} of this {cls}: `materialize()` fails on its fields with
+  {cause}
+Check the fields (their shapes must fit together in `materialize()`). If they are right,
+provide the {kind} in one of these ways:
+"""
+
 AMBIGUOUS_HANDLER = """\
 Handlers for primitive `{primitive}` are ambiguous for operand types ({types}):
 {candidates}
@@ -92,3 +113,33 @@ UNKNOWN_PRIMITIVE = """\
 Unknown primitive name {name!r}: there is no `jax.lax.{name}_p` (nor \
 `jax.extend.core.primitives.{name}_p`).{suggestion} Pass a name from `qax.constants` or the \
 `jax.extend.core.Primitive` object itself."""
+
+OUTSIDE_WRAPPER = """\
+`{function}` received a {cls}, which is an implicit array, outside \
+`qax.use_implicit_args`. JAX functions (`jnp.*`, `jax.nn.*`) see implicit arrays only in \
+a function wrapped with `qax.use_implicit_args`, where handlers apply: call \
+`qax.use_implicit_args(f)(...)` instead of `f(...)`, or pass `x.materialize()` to work on \
+the dense array."""
+
+CONVERTED = """\
+A {cls} was converted to a dense array by `{how}` outside `qax.use_implicit_args`, so it \
+was materialized."""
+
+TRACED_TO_NUMPY = """\
+This {cls} holds traced values (it is used inside `jax.jit`, `jax.grad`, ...), so it \
+cannot become a NumPy array. Use it inside a function wrapped with \
+`qax.use_implicit_args`, or call `x.materialize()` for the dense JAX array."""
+
+HALF_BUILT = """\
+{fields} {verb} None: an implicit array with missing fields (as `eqx.partition` \
+leaves them) reached `qax.use_implicit_args`. Pass the complete value, e.g. \
+`eqx.combine(params, static)`, or give the field a value. (The call failed with \
+{error}.)"""
+
+FIELD_OF_TRACER = """\
+Inside a function wrapped with `qax.use_implicit_args`, a {cls} is seen as the array it \
+represents (a JAX tracer of its shape and dtype), so its field `{name}` cannot be read \
+here. Fields are readable outside the wrapped function, and inside handlers \
+(`@qax.primitive_handler`) and `materialize()`, which receive the {cls} itself: read \
+`x.{name}` before the call and pass it as an argument, or write a handler for the \
+operation."""

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 
+from . import _outside
 from ._base import ImplicitBase, check_declared_avals, quiet_materialization
 from ._batching import (
     AUX,
@@ -339,27 +340,47 @@ def _canonical_dtype(dtype: Any) -> np.dtype:
 
 
 def _eval_shape_of_materialize(obj: ImplicitArray) -> Any:
-    """`jax.eval_shape` of `obj.materialize()`, quietly; `obj` may be half-built."""
-    children = _implicit_children(obj)
+    """`jax.eval_shape` of `obj.materialize()`, quietly; `obj` may be half-built.
 
-    def run() -> Any:
+    Child fields given as `jax.ShapeDtypeStruct`s (for `jax.eval_shape` or AOT
+    lowering) have no values: they become abstract arguments of `eval_shape`.
+    """
+    structs = _shape_dtype_struct_fields(obj)
+
+    def run(*values: Any) -> Any:
+        target = obj
+        if structs:
+            target = copy.copy(obj)
+            for name, value in zip(structs, values):
+                object.__setattr__(target, name, value)
+        children = _implicit_children(target)
         if not children:
-            return type(obj).materialize(obj)
+            return type(target).materialize(target)
         names = [n for n, _ in children]
 
         def inner(*values):
-            clone = copy.copy(obj)
+            clone = copy.copy(target)
             for n, v in zip(names, values):
                 object.__setattr__(clone, n, v)
-            return type(obj).materialize(clone)
+            return type(target).materialize(clone)
 
         return use_implicit_args(inner)(*[c for _, c in children])
 
     token = quiet_materialization.set(True)
     try:
-        return jax.eval_shape(run)
+        return jax.eval_shape(run, *(getattr(obj, n) for n in structs))
     finally:
         quiet_materialization.reset(token)
+
+
+def _shape_dtype_struct_fields(obj: ImplicitArray) -> list[str]:
+    """The child fields of `obj` that are pytrees of `jax.ShapeDtypeStruct`s."""
+    found = []
+    for name in type(obj)._qax_child_names():
+        leaves = jax.tree_util.tree_leaves(getattr(obj, name, None))
+        if leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+            found.append(name)
+    return found
 
 
 _BINARY = {
@@ -417,3 +438,50 @@ for _name in (
 ):
     setattr(ImplicitArray, _name, _method(_name))
 ImplicitArray.T = property(_implicit_method(lambda x: x.T))
+
+# Outside `use_implicit_args`: conversions materialize, iteration stops after `len(x)`
+# rows, `jnp` functions name the wrapper (the rule is in `qax/_outside.py`).
+ImplicitArray.__getitem__ = _outside.getitem
+ImplicitArray.__iter__ = _outside.iterate
+ImplicitArray.__array__ = _outside.to_numpy
+ImplicitArray.__jax_array__ = property(_outside.jax_array_protocol)
+for _convert in (bool, int, float, complex):
+    setattr(
+        ImplicitArray,
+        f"__{_convert.__name__}__",
+        functools.partialmethod(_outside.scalar, _convert),
+    )
+
+
+# The original Qax's pytree methods (downstream code splits and merges trees with them).
+@functools.cache
+def _tree_functions(cls: type) -> tuple[Callable, Callable, Callable]:
+    return _pytree_functions(cls)
+
+
+def _tree_flatten_with_keys(self: ImplicitArray) -> tuple[list, Any]:
+    """One level of the pytree: ``(children, aux_data)``, as in the original Qax.
+
+    `children` holds ``(jax.tree_util.GetAttrKey(name), value)`` for every child field,
+    in declaration order; `aux_data` is the static part (aux fields, shape, dtype).
+    ``type(x).tree_unflatten(aux_data, values)`` rebuilds `x`.
+
+    >>> children, aux = lora.tree_flatten_with_keys()
+    >>> [key.name for key, _ in children]
+    ['w', 'a', 'b']
+    """
+    return _tree_functions(type(self))[1](self)
+
+
+def _tree_unflatten(cls: type, aux_data: Any, children: Any) -> ImplicitArray:
+    """Rebuild an instance from `tree_flatten_with_keys`'s ``aux_data`` and the values
+    of its children (without their keys), as in the original Qax.
+
+    >>> children, aux = lora.tree_flatten_with_keys()
+    >>> LoraMatrix.tree_unflatten(aux, [w, a2, b2])  # same base, new factors
+    """
+    return _tree_functions(cls)[2](aux_data, list(children))
+
+
+ImplicitArray.tree_flatten_with_keys = _tree_flatten_with_keys
+ImplicitArray.tree_unflatten = classmethod(_tree_unflatten)

@@ -40,15 +40,18 @@ from ._compat import (
     Trace,
     Tracer,
     TraceTag,
+    api_boundary,
     bind_canonical,
     current_trace,
     ensure_no_leaks,
+    hide_frames_of,
     in_backward_pass,
     instantiate_zeros,
     is_eval_trace,
     primitive_batchers,
     primitive_jvps,
     register_lowering_fun,
+    is_stack_before_transformation,
     set_current_trace,
     traced_source_line,
     typeof,
@@ -105,15 +108,30 @@ def _package_dir(module: Any) -> str:
     return os.path.dirname(os.path.abspath(module.__file__)) + os.sep
 
 
+# Frames skipped when looking for the user's line (warnings' stacklevel, the audit's
+# source column): qax, JAX, plum, the standard library, and every installed package
+# (Flax, optax, ...: anything under a site-packages or dist-packages directory, wherever
+# the environment keeps it; a virtualenv's is not under the standard library's).
 _SKIP_DIRS = tuple(
     _package_dir(m) for m in (sys.modules[__package__], jax, jaxlib, plum, contextlib)
 )
+_INSTALLED = tuple(f"{os.sep}{d}{os.sep}" for d in ("site-packages", "dist-packages"))
+
+
+# The example models (`qax.examples`) are model code, like the user's own: never skipped.
+_EXAMPLES_DIR = f"{_SKIP_DIRS[0]}examples{os.sep}"
+
+
+def _is_library_file(filename: str) -> bool:
+    if filename.startswith(_EXAMPLES_DIR):
+        return False
+    return filename.startswith(_SKIP_DIRS) or any(d in filename for d in _INSTALLED)
 
 
 def _stacklevel() -> int:
     """The `stacklevel` that points a warning at the first frame outside JAX and qax."""
     frame, level = sys._getframe(2), 2
-    while frame is not None and frame.f_code.co_filename.startswith(_SKIP_DIRS):
+    while frame is not None and _is_library_file(frame.f_code.co_filename):
         frame, level = frame.f_back, level + 1
     return level
 
@@ -157,11 +175,11 @@ def _source_line() -> str | None:
     the user line of the forward operation being transposed, when JAX knows it.
     """
     if in_backward_pass():
-        line = traced_source_line(_SKIP_DIRS)
+        line = traced_source_line(_is_library_file)
         if line is not None:
             return line
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_SKIP_DIRS):
+    while frame is not None and _is_library_file(frame.f_code.co_filename):
         frame = frame.f_back
     if frame is None:
         return None
@@ -236,6 +254,17 @@ class ImplicitTracer(Tracer):
 
     def _contents(self):
         return [("value", self.value)]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            value = object.__getattribute__(self, "value")
+            if name in _field_names(type(value)):
+                raise AttributeError(
+                    _errors.FIELD_OF_TRACER.format(cls=type(value).__name__, name=name)
+                ) from None
+            raise
 
 
 class ImplicitTrace(Trace):
@@ -440,6 +469,42 @@ def _implicit_children(value: ImplicitBase) -> list[tuple[str, Any]]:
     return found
 
 
+def _field_names(cls: type) -> tuple[str, ...]:
+    names = getattr(cls, "__dataclass_fields__", None)
+    return tuple(names) if names else ()
+
+
+def _half_built_fields(value: ImplicitBase) -> list[str]:
+    """``Type.field`` for each child field of `value` (or of an implicit array nested in
+    it) that is None, as `eqx.partition` leaves them."""
+    found = []
+    for name in type(value)._qax_child_names():
+        child = getattr(value, name, None)
+        if child is None:
+            found.append(f"{type(value).__name__}.{name}")
+        elif isinstance(child, ImplicitBase):
+            found += _half_built_fields(child)
+    return found
+
+
+def _raise_if_half_built(leaves: list, error: Exception) -> None:
+    """Re-raise `error` as a `TypeError` naming the None fields, if an implicit array
+    among `leaves` has some: the likely cause of a failure deep inside dispatch."""
+    fields = [
+        f for leaf in leaves if is_implicit(leaf) for f in _half_built_fields(leaf)
+    ]
+    if not fields:
+        return
+    lines = str(error).strip().splitlines()
+    raise TypeError(
+        _errors.HALF_BUILT.format(
+            fields=", ".join(f"`{f}`" for f in fields),
+            verb="is" if len(fields) == 1 else "are",
+            error=f"{type(error).__name__}: {lines[0].rstrip('.') if lines else ''}",
+        )
+    ) from None
+
+
 def call_with_children(trace: ImplicitTrace, fn: Callable, *args: Any, **kwargs: Any):
     """Call user code (a handler, `materialize`) on implicit values.
 
@@ -580,9 +645,14 @@ def use_implicit_args(f: Callable) -> Callable:
 
     The returned function takes the same arguments as `f`; any pytree leaf may be an
     implicit array (at any depth, also nested inside other implicit arrays). Inside, `f`
-    sees them as JAX arrays of their `shape`/`dtype`; primitives on them are routed to
-    handlers (see `apply_primitive` for the order). Implicit arrays may be returned. It
-    composes with `jax.jit`, `jax.grad`, `jax.vmap` and friends on either side.
+    sees them as JAX arrays of their `shape`/`dtype` (their fields are not readable
+    there). Each primitive applied to one is resolved in this order: a handler
+    registered with `qax.primitive_handler` for the operand types; for `jit`, `scan`,
+    `cond`, `while_loop`, `checkpoint` and custom derivatives, the function body runs on
+    the implicit values; the class's `default_handler`; otherwise the implicit operands
+    are materialized, with a `qax.MaterializationWarning`. Implicit arrays may be
+    returned. It composes with `jax.jit`, `jax.grad`, `jax.vmap` and friends on either
+    side.
 
     >>> @qax.use_implicit_args
     ... def f(w, x):
@@ -607,6 +677,10 @@ def use_implicit_args(f: Callable) -> Callable:
         token = check_declared_avals.set(False)
         try:
             out = _run(trace, f, leaves, treedef)
+        except Exception as e:
+            _raise_if_half_built(leaves, e)
+            _show_once(e)
+            raise
         finally:
             check_declared_avals.reset(token)
             if reused is not None:
@@ -616,7 +690,28 @@ def use_implicit_args(f: Callable) -> Callable:
                 del trace
         return out
 
-    return implicit_f
+    return api_boundary(implicit_f)
+
+
+# qax's frames are left out of the tracebacks JAX filters, like JAX's own.
+hide_frames_of(_package_dir(sys.modules[__package__]))
+
+_QAX_ERRORS = (
+    _errors.HandlerError,
+    _errors.MaterializationError,
+    _errors.UninitializedAval,
+)
+
+
+def _show_once(error: Exception) -> None:
+    """Drop the copy of the stack that JAX chains to qax's own errors raised while it
+    re-evaluated a traced operation: the error would be printed twice, and the filtered
+    traceback already ends at the user's line."""
+    if isinstance(error, _QAX_ERRORS) and is_stack_before_transformation(
+        error.__cause__
+    ):
+        error.__cause__ = None
+        error.__suppress_context__ = True
 
 
 _eager = threading.local()

@@ -84,7 +84,7 @@ def _scalar_zero(x: Any) -> Any:
 
 
 def freeze_subtrees(
-    optimizer: optax.GradientTransformation,
+    optimizer: optax.GradientTransformation | optax.MultiSteps,
     label_fn: Callable[[Any], Any] | Any,
     use_scalar_zeros: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
@@ -94,7 +94,13 @@ def freeze_subtrees(
     prefix of it): ``"freeze"`` or ``"train"``. Trained leaves are handed to `optimizer`;
     frozen leaves get zero updates and no optimizer state, and `optimizer` (its weight
     decay, its gradient clipping, ...) never sees them. Gradients of dtype ``float0``
-    (from integer leaves) are replaced by zeros of the parameter's dtype.
+    (from integer leaves) are replaced by zeros of the parameter's dtype. Any pytree
+    works as parameters, including callable ones such as an `eqx.Module`.
+
+    Gradient accumulation: pass ``optax.MultiSteps(opt, k)`` *as* `optimizer` (it is
+    accepted as is), so that only the trained leaves are accumulated. Wrapping the
+    result in `optax.MultiSteps` instead accumulates a gradient for every parameter,
+    frozen ones included (a full-size buffer for a frozen LoRA base weight).
 
     >>> tx = qax.utils.freeze_subtrees(
     ...     optax.adam(1e-3), lambda p: {"w": "freeze", "b": "train"})
@@ -102,7 +108,8 @@ def freeze_subtrees(
 
     Args:
       optimizer: the optax transformation for the trained leaves.
-      label_fn: a function from the parameters to a tree of labels, or that tree.
+      label_fn: a function from the parameters to a tree of labels, or that tree (a
+        callable pytree whose leaves are all labels counts as a tree).
       use_scalar_zeros: give frozen leaves 0-d zero updates (see `set_to_zero_scalar`)
         instead of full-size zeros.
 
@@ -112,11 +119,13 @@ def freeze_subtrees(
     Raises:
       ValueError: a label other than ``"freeze"``/``"train"``.
     """
+    if isinstance(optimizer, optax.MultiSteps):
+        optimizer = optimizer.gradient_transformation()
     frozen = set_to_zero_scalar() if use_scalar_zeros else optax.set_to_zero()
     transforms = {FREEZE: frozen, TRAIN: optimizer}
 
     def labels_for(tree: Any) -> Any:
-        labels = label_fn(tree) if callable(label_fn) else label_fn
+        labels = label_fn(tree) if _is_function(label_fn) else label_fn
         bad = {x for x in jax.tree_util.tree_leaves(labels)} - {FREEZE, TRAIN}
         if bad:
             raise ValueError(
@@ -126,16 +135,33 @@ def freeze_subtrees(
             )
         return labels
 
+    # optax calls a callable label tree as a function, and an `eqx.Module` of labels
+    # is callable: hand it the labels through a function, always.
     def init_fn(params: Any) -> Any:
-        return _partition(transforms, labels_for(params)).init(params)
+        labels = labels_for(params)
+        return _partition(transforms, lambda _: labels).init(params)
 
     def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any):
         labels = labels_for(updates if params is None else params)
         updates = _replace_float0(updates, params, use_scalar_zeros)
-        tx = _partition(transforms, labels)
+        tx = _partition(transforms, lambda _: labels)
         return tx.update(updates, state, params, **extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _is_function(label_fn: Any) -> bool:
+    """Whether `label_fn` is a labelling function rather than a tree of labels.
+
+    Some pytrees are callable (an `eqx.Module` with `__call__`): a callable that
+    flattens to more than itself is a tree of labels.
+    """
+    if not callable(label_fn):
+        return False
+    leaves, treedef = jax.tree_util.tree_flatten(label_fn)
+    if jax.tree_util.treedef_is_leaf(treedef):
+        return True
+    return not all(isinstance(leaf, str) for leaf in leaves)
 
 
 def _replace_float0(updates: Any, params: Any, scalar: bool) -> Any:
@@ -153,7 +179,7 @@ def _replace_float0(updates: Any, params: Any, scalar: bool) -> Any:
 
 
 def freeze_keys(
-    optimizer: optax.GradientTransformation,
+    optimizer: optax.GradientTransformation | optax.MultiSteps,
     arr_type: type,
     keys: Iterable[str] | str,
     use_scalar_zeros: bool = False,
@@ -165,6 +191,11 @@ def freeze_keys(
     weight decay, never sees them. Leaves that cannot be trained by gradients are
     frozen too: integer and boolean leaves (their gradients are ``float0``) and empty
     ones, such as the zero-size leaf that carries an implicit array's shape.
+
+    Works on any pytree of parameters, including an `eqx.Module`. For gradient
+    accumulation pass ``optax.MultiSteps(opt, k)`` as `optimizer` (see
+    `freeze_subtrees`): wrapped outside, `MultiSteps` would keep a full-size
+    accumulator for every frozen weight.
 
     >>> optimizer = qax.freeze_keys(optax.adam(3e-4), LoraMatrix, ["w"])
     >>> opt_state = optimizer.init(params)

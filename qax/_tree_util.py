@@ -10,21 +10,32 @@ import jax
 from ._base import ImplicitBase, is_implicit
 
 
-class EmptyNode:
-    """A pytree node with no leaves: a placeholder that every tree function skips."""
+class _EmptyNodeType:
+    """The type of `EmptyNode`: a pytree node with no children and no leaves."""
+
+    _instance: _EmptyNodeType | None = None
+
+    def __new__(cls) -> _EmptyNodeType:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
 
     def __repr__(self) -> str:
-        return "EmptyNode()"
+        return "EmptyNode"
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, EmptyNode)
+    def __reduce__(self) -> str:
+        return "EmptyNode"  # pickles as the module attribute: stays the singleton
 
-    def __hash__(self) -> int:
-        return hash(EmptyNode)
 
+EmptyNode = _EmptyNodeType()
+"""The empty pytree node: a placeholder that every tree function skips.
+
+As in the original Qax it is a single object, not a class:
+``jax.tree_util.tree_leaves({"f": qax.EmptyNode}) == []``.
+"""
 
 jax.tree_util.register_pytree_node(
-    EmptyNode, lambda _: ((), None), lambda _aux, _children: EmptyNode()
+    _EmptyNodeType, lambda _: ((), None), lambda _aux, _children: EmptyNode
 )
 
 

@@ -367,3 +367,52 @@ def test_audit_records_materialization_without_warning_filters_interfering():
         with qax.materialization_audit() as audit:
             run_sum(w)
     assert [r.policy for r in audit] == ["warn"]
+
+
+class Unhandled(qax.ImplicitArray):
+    """An implicit array with no handlers: any primitive materializes it."""
+
+    x: qax.ArrayValue
+
+    def materialize(self):
+        return self.x
+
+
+def test_source_skips_installed_libraries_and_names_the_users_line():
+    # Flax lives in site-packages: the source must be the user's line that called the
+    # layer, not `flax/linen/linear.py` where the unhandled `dot_general` is bound.
+    nn = pytest.importorskip("flax.linen")
+    kernel = Unhandled(jax.random.normal(KEYS[1], (5, 7)))
+
+    def flax_model(params, x):
+        return nn.Dense(7).apply(params, x)  # the user's line
+
+    params = {"params": {"kernel": kernel, "bias": jnp.zeros(7)}}
+    with qax.materialization_policy(Unhandled, "allow"):
+        with qax.materialization_audit() as audit:
+            qax.use_implicit_args(flax_model)(params, X)
+    assert [r.primitive for r in audit] == ["dot_general"], audit
+    assert audit[0].source == line_of(flax_model, "the user's line")
+
+
+def test_source_skips_any_site_packages_directory(tmp_path, monkeypatch):
+    # A virtualenv keeps site-packages outside the standard library's directory: a
+    # library installed there is not the user's code either.
+    package = tmp_path / "venv" / "lib" / "site-packages" / "fakelib_qax_audit"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(
+        "def layer(w, x):\n    return x @ w  # library line\n"
+    )
+    monkeypatch.syspath_prepend(str(package.parent))
+    import fakelib_qax_audit
+
+    kernel = Unhandled(jax.random.normal(KEYS[1], (5, 7)))
+
+    def user_model(w, x):
+        return fakelib_qax_audit.layer(w, x)  # the user's line
+
+    with qax.materialization_policy(Unhandled, "allow"):
+        with qax.materialization_audit() as audit:
+            qax.use_implicit_args(user_model)(kernel, X)
+    assert [r.primitive for r in audit] == ["dot_general"], audit
+    assert audit[0].source == line_of(user_model, "the user's line")

@@ -101,6 +101,10 @@ def test_precedence_breaks_ties_and_ambiguity_names_both_handlers():
         f(l_val, s_val)
     message = str(info.value)
     assert "l_first" in message and "s_second" in message
+    # Readable annotated types, not plum's raw signatures cut mid-word.
+    assert "l_first(primitive, a: L, b: qax.ArrayValue) at " in message
+    assert "s_second(primitive, a: qax.ArrayValue, b: S) at " in message
+    assert "Signature(" not in message and "typing.Union" not in message
     assert (
         "precedence=" in message
         and "use_implicit_args" in message
@@ -245,3 +249,8 @@ def test_default_handler_refuses_implicit_operands_with_a_clear_message():
 
     with pytest.raises(TypeError, match=re.escape("qax.default_handler(sign, ...)")):
         qax.use_implicit_args(jnp.sign)(T(jnp.ones(2)))
+
+
+def test_did_you_mean_matmul_points_at_dot_general():
+    with pytest.raises(ValueError, match=r"Did you mean 'dot_general'"):
+        qax.primitive_handler("matmul")

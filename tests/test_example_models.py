@@ -1,25 +1,17 @@
-"""The small Flax models of the examples (`notebooks/models.py`) behave as described."""
+"""The small Flax models of the examples (`qax.examples.models`) behave as described."""
 
 import importlib
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-NOTEBOOKS = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
-
 
 @pytest.fixture(scope="module")
 def models():
-    sys.path.insert(0, str(NOTEBOOKS))
-    try:
-        yield importlib.import_module("models")
-    finally:
-        sys.path.remove(str(NOTEBOOKS))
-        sys.modules.pop("models", None)
+    pytest.importorskip("flax")
+    return importlib.import_module("qax.examples.models")
 
 
 def _changed_positions(apply, ids, position):

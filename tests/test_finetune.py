@@ -21,13 +21,14 @@ TINY = [
 
 @pytest.fixture
 def walkthrough(monkeypatch):
-    """The script and `models.py`, imported the way `python notebooks/...` sees them."""
+    """The script, imported the way `python notebooks/...` sees it, and its models."""
     monkeypatch.syspath_prepend(str(SCRIPT.parent))
-    for name in ("models", "lora_finetune"):
-        sys.modules.pop(name, None)
-    yield importlib.import_module("lora_finetune"), importlib.import_module("models")
-    for name in ("models", "lora_finetune"):
-        sys.modules.pop(name, None)
+    sys.modules.pop("lora_finetune", None)
+    yield (
+        importlib.import_module("lora_finetune"),
+        importlib.import_module("qax.examples.models"),
+    )
+    sys.modules.pop("lora_finetune", None)
 
 
 def test_loss_falls_and_frozen_weights_are_bitwise_unchanged(walkthrough):

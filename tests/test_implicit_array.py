@@ -235,3 +235,74 @@ def test_per_type_default_handler():
     out = qax.use_implicit_args(lambda t: jnp.sin(t) * 2 + 1)(x)
     assert isinstance(out, BackwardTag)
     assert_close(out.array, jnp.sin(jnp.arange(4.0)) * 2 + 1)
+
+
+def test_original_tree_flatten_with_keys_and_tree_unflatten():
+    lora = make_lora(jax.random.PRNGKey(0), 4, 3)
+    children, aux = lora.tree_flatten_with_keys()
+    assert [key.name for key, _ in children] == ["w", "a", "b"]
+    assert all(isinstance(key, jax.tree_util.GetAttrKey) for key, _ in children)
+    rebuilt = LoraMatrix.tree_unflatten(aux, [value for _, value in children])
+    assert type(rebuilt) is LoraMatrix
+    assert rebuilt.shape == lora.shape and rebuilt.dtype == lora.dtype
+    assert jax.tree_util.tree_structure(rebuilt) == jax.tree_util.tree_structure(lora)
+    for x, y in zip(
+        jax.tree_util.tree_leaves(rebuilt), jax.tree_util.tree_leaves(lora)
+    ):
+        assert x is y
+
+
+def test_tree_unflatten_merges_new_children():
+    # How downstream code splits LoRA trees and merges trained factors back in.
+    lora = make_lora(jax.random.PRNGKey(0), 4, 3)
+    children, aux = lora.tree_flatten_with_keys()
+    new = {"a": lora.a * 2, "b": lora.b}
+    merged = type(lora).tree_unflatten(
+        aux, [new.get(key.name, value) for key, value in children]
+    )
+    expected = lora.w + (2 * lora.a) @ lora.b.T
+    assert_close(qax.materialize_nested(merged), expected)
+
+
+def test_tree_methods_keep_aux_fields():
+    @dataclass
+    class Scaled(qax.ImplicitArray):
+        x: qax.ArrayValue
+        scale: float = qax.aux_field(default=2.0)
+
+        def materialize(self):
+            return self.x * self.scale
+
+    s = Scaled(jnp.ones(3), scale=3.0)
+    children, aux = s.tree_flatten_with_keys()
+    assert [key.name for key, _ in children] == ["x"]
+    back = Scaled.tree_unflatten(aux, [jnp.zeros(3)])
+    assert back.scale == 3.0 and back.shape == (3,)
+
+
+def test_shape_is_inferred_from_shape_dtype_struct_fields():
+    sds = jax.ShapeDtypeStruct
+    abstract = LoraMatrix(
+        sds((4, 3), jnp.float32), sds((4, 2), jnp.float32), sds((3, 2), jnp.float32)
+    )
+    assert abstract.shape == (4, 3) and abstract.dtype == jnp.float32
+
+    def f(w, x):
+        return x @ w
+
+    x = sds((2, 4), jnp.float32)
+    out = jax.eval_shape(qax.use_implicit_args(f), abstract, x)
+    assert out.shape == (2, 3) and out.dtype == jnp.float32
+    # AOT: lower for the abstract value, run on a concrete one.
+    compiled = jax.jit(qax.use_implicit_args(f)).lower(abstract, x).compile()
+    concrete = make_lora(jax.random.PRNGKey(0), 4, 3)
+    ones = jnp.ones((2, 4))
+    assert_close(compiled(concrete, ones), ones @ concrete.materialize())
+
+
+def test_mismatched_lora_factors_lead_with_the_cause():
+    with pytest.raises(qax.UninitializedAval) as info:
+        LoraMatrix(jnp.ones((4, 3)), jnp.ones((4, 2)), jnp.ones((3, 5)))
+    headline, cause = str(info.value).splitlines()[:2]
+    assert "materialize()" in headline and "shape=" not in headline
+    assert "contracting dimensions" in cause

@@ -32,10 +32,11 @@ def _kernel_for_this_python(tmp_path, monkeypatch) -> str:
 
 
 def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
-    work = tmp_path / "notebooks"
+    # Nothing but the notebook file, in a directory of its own: it must not need the
+    # repository's layout or a particular working directory.
+    work = tmp_path / "anywhere"
     work.mkdir()
-    for name in (NOTEBOOK.name, "models.py"):
-        shutil.copy(NOTEBOOK.parent / name, work / name)
+    shutil.copy(NOTEBOOK, work / NOTEBOOK.name)
     kernel_name = _kernel_for_this_python(tmp_path, monkeypatch)
     nb = nbformat.read(work / NOTEBOOK.name, as_version=4)
     for cell in _code_cells(nb):
@@ -78,4 +79,17 @@ def test_saved_notebook_shows_a_complete_run():
     ]
     assert not silent, f"code cells {silent} print but have no saved output"
     first = nb.cells[0].source
-    assert "colab-badge.svg" in first and "How_to_Qax.ipynb" in first
+    assert "Colab" in first and "QAX_SOURCE" in first
+
+
+def test_notebook_stands_alone():
+    """No placeholder URLs, no files beside the notebook, no working directory."""
+    text = NOTEBOOK.read_text()
+    assert "OWNER" not in text
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    code = "\n".join(cell.source for cell in _code_cells(nb))
+    lines = [line.strip() for line in code.splitlines()]
+    assert not any(line.startswith(("import models", "from models")) for line in lines)
+    assert "from qax.examples import models" in code
+    for needs_a_directory in ("os.chdir", "open(", "pathlib", "git clone"):
+        assert needs_a_directory not in code, needs_a_directory

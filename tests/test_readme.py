@@ -1,5 +1,7 @@
 """The README stays true: its example runs, and its first lines are the two commands."""
 
+import contextlib
+import io
 import pathlib
 import re
 import warnings
@@ -25,9 +27,12 @@ def test_readme_starts_with_the_two_commands():
 def test_readme_example_runs_without_materializing():
     (code,) = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
     namespace = {}
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()) as out:
         warnings.simplefilter("error", qax.MaterializationWarning)
         exec(compile(code, str(README), "exec"), namespace)
+    # It prints its result and shows that nothing was materialized.
+    printed = out.getvalue()
+    assert "(4, 8)" in printed and "nothing was materialized" in printed, printed
     w, y = namespace["w"], namespace["y"]
     np.testing.assert_allclose(
         y, jnp.tanh(jnp.ones((4, 8)) @ w.materialize()), rtol=1e-6

@@ -1,5 +1,7 @@
 """qax.utils tree helpers: implicit arrays as leaves, one-layer flattening, EmptyNode."""
 
+import pickle
+
 import jax
 import jax.numpy as jnp
 
@@ -50,10 +52,20 @@ def test_flatten_one_implicit_layer_opens_only_the_outer_arrays():
 
 
 def test_empty_node_has_no_leaves():
-    node = qax.EmptyNode()
+    node = qax.EmptyNode
+    assert jax.tree_util.tree_leaves({"f": node}) == []
     assert jax.tree_util.tree_leaves({"x": node, "y": 1.0}) == [1.0]
-    assert jax.tree_util.tree_map(lambda x: x + 1, {"x": node})["x"] == node
-    assert repr(node) == "EmptyNode()"
+    assert jax.tree_util.tree_map(lambda x: x + 1, {"x": node})["x"] is node
+    assert repr(node) == "EmptyNode"
+
+
+def test_empty_node_is_a_singleton_as_in_the_original():
+    assert qax.EmptyNode is qax.utils.EmptyNode
+    assert not isinstance(qax.EmptyNode, type)
+    assert type(qax.EmptyNode)() is qax.EmptyNode
+    assert pickle.loads(pickle.dumps(qax.EmptyNode)) is qax.EmptyNode
+    leaves, treedef = jax.tree_util.tree_flatten([qax.EmptyNode, 1])
+    assert jax.tree_util.tree_unflatten(treedef, leaves)[0] is qax.EmptyNode
 
 
 def test_get_common_prefix_transforms_materializes_only_what_differs():

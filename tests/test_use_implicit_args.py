@@ -248,3 +248,77 @@ def test_eager_calls_nested_in_handlers_get_their_own_trace(without_leak_checks)
             lambda w, x: x @ w + inner(Zeros(shape=(5,)), x @ w)
         )(nested, jnp.arange(3.0))
     assert_close(out, 2 * (jnp.arange(3.0) @ jnp.ones((3, 5))))
+
+
+def test_half_built_value_names_its_none_fields():
+    # What `eqx.partition(params, eqx.is_array)` leaves in the static half.
+    lora = make_lora(KEY, 6, 5)
+    half = jax.tree_util.tree_map(lambda _: None, lora)
+    assert half.w is None and half.shape == (6, 5)
+
+    def f(p, x):
+        return x @ p["w"]
+
+    with pytest.raises(TypeError, match=r"`LoraMatrix\.w`, `LoraMatrix\.a`.* None"):
+        qax.use_implicit_args(f)({"w": half}, jnp.ones((2, 6)))
+    with pytest.raises(TypeError, match="eqx.combine"):
+        jax.jit(qax.use_implicit_args(f))({"w": half}, jnp.ones((2, 6)))
+
+
+def test_types_with_optional_none_fields_still_work():
+    @dataclass
+    class MaybeBias(qax.ImplicitArray):
+        x: qax.ArrayValue
+        bias: qax.ArrayValue | None = None
+
+        def materialize(self):
+            return self.x if self.bias is None else self.x + self.bias
+
+    value = MaybeBias(jnp.ones(3))
+    with pytest.warns(qax.MaterializationWarning):
+        out = qax.use_implicit_args(lambda v: v * 2)(value)
+    assert_close(out, 2 * jnp.ones(3))
+
+
+@dataclass
+class WrongShape(qax.ImplicitArray):
+    x: qax.ArrayValue
+
+    def materialize(self):
+        return self.x
+
+
+@qax.primitive_handler("sin")
+def _wrong_shape_sin(primitive, x: WrongShape):
+    return jnp.ones(7)
+
+
+@pytest.mark.parametrize("outer", [lambda f: f, jax.jit], ids=["eager", "jit"])
+def test_qax_errors_are_shown_once_without_qax_frames(outer):
+    import traceback
+
+    def user_function(x):
+        return jnp.sin(x)  # the user's line
+
+    with pytest.raises(qax.HandlerError) as info:
+        outer(qax.use_implicit_args(user_function))(WrongShape(jnp.ones(3)))
+    text = "".join(traceback.format_exception(info.value))
+    assert text.count("returned float32[7]") == 1, text
+    assert "/qax/" not in text.replace("qax.HandlerError", ""), text
+    assert "the user's line" in text
+    assert "qax.HandlerError" in text
+
+
+def test_reading_a_field_inside_the_wrapped_function_explains_where_it_can_be_read():
+    lora = make_lora(KEY, 6, 5)
+    with pytest.raises(AttributeError, match=r"field `a`.*handlers.*before the call"):
+        qax.use_implicit_args(lambda w: w.a)(lora)
+    with pytest.raises(AttributeError, match="no attribute"):
+        qax.use_implicit_args(lambda w: w.not_a_field)(lora)
+    assert qax.use_implicit_args(lambda w: w.shape)(lora) == (6, 5)
+
+
+def test_use_implicit_args_docstring_names_no_private_function():
+    doc = qax.use_implicit_args.__doc__
+    assert "apply_primitive" not in doc and "`_" not in doc
+    assert "handler" in doc

@@ -1,0 +1,162 @@
+"""Implicit arrays used outside `use_implicit_args`: conversions, iteration, `jnp` calls.
+
+Outside the wrapper an implicit array is a Python object with array methods, and one rule
+says what each use does:
+
+1. operators, array methods, indexing and iteration run through the interpreter: a
+   handler if one applies, otherwise the value is materialized with a
+   `MaterializationWarning`;
+2. conversions to a dense array (`np.asarray`, `jnp.asarray`, `jnp.array`, `bool`, `int`,
+   `float`, `complex`) materialize it with a `MaterializationWarning`;
+3. `jnp` and `jax.nn` functions raise a `TypeError` that names the type and
+   `qax.use_implicit_args`: they cannot reach handlers, and densifying behind the user's
+   back would hide the missing wrapper.
+
+Without 1 and 2, NumPy would treat an implicit array as a nested sequence (it has
+`__len__` and `__getitem__`) and call ``x[0], x[1], ...`` until an `IndexError` that JAX's
+clamped indexing never raises: `np.asarray`, `jnp.asarray`, `list()` and every Flax
+layer's dtype promotion used to loop forever.
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _errors
+from ._base import ImplicitBase
+from ._compat import JNP_ARRAYLIKE_CHECK, JNP_CONSTRUCTORS, Tracer
+from ._interpreter import (
+    MaterializationEvent,
+    _source_line,
+    enter_current_trace,
+    materialize_nested,
+    report,
+    use_implicit_args,
+)
+
+
+def _has_traced_leaves(x: ImplicitBase) -> bool:
+    return any(isinstance(leaf, Tracer) for leaf in jax.tree_util.tree_leaves(x))
+
+
+def _densify(x: ImplicitBase, how: str) -> Any:
+    """`x` materialized all the way down, reported as a conversion by `how`."""
+    report(
+        MaterializationEvent(
+            how,
+            type(x),
+            tuple(x.shape),
+            x.dtype,
+            _source_line(),
+            reason=_errors.CONVERTED.format(cls=type(x).__name__, how=how),
+        )
+    )
+    return materialize_nested(x, full=True)
+
+
+def to_numpy(
+    x: ImplicitBase, dtype: Any = None, copy: bool | None = None
+) -> np.ndarray:
+    """`x.__array__`: the dense NumPy array, materialized with a warning.
+
+    Raises:
+      TypeError: `x` holds traced values (inside `jit`/`grad`), which NumPy cannot hold.
+    """
+    if _has_traced_leaves(x):
+        raise TypeError(_errors.TRACED_TO_NUMPY.format(cls=type(x).__name__))
+    out = np.asarray(_densify(x, "np.asarray"))
+    if dtype is not None:
+        out = out.astype(dtype, copy=False)
+    return out.copy() if copy else out
+
+
+def jax_array_protocol(x: ImplicitBase) -> Any:
+    """The `__jax_array__` attribute, which JAX reads in three kinds of places.
+
+    - Its array constructors (`jnp.asarray`, `jnp.array`): get a function that returns the
+      materialized array (rule 2), under `jit` too.
+    - The array-like check that starts every `jnp` function: gets an error that names
+      `qax.use_implicit_args` (rule 3) instead of JAX's bare "requires ndarray".
+    - Its binary operators (``jax_array @ x``) and anything else: no such attribute, so
+      that Python calls this type's reflected operator, where handlers apply (rule 1).
+    """
+    caller = sys._getframe(1)
+    module = caller.f_globals.get("__name__")
+    if module == JNP_CONSTRUCTORS:
+        return lambda: _densify(x, "jnp.asarray")
+    if module == JNP_ARRAYLIKE_CHECK:
+        raise TypeError(
+            _errors.OUTSIDE_WRAPPER.format(
+                function=_jnp_function_name(caller), cls=type(x).__name__
+            )
+        )
+    raise AttributeError("__jax_array__")
+
+
+def _jnp_function_name(frame: Any) -> str:
+    """The `fun_name` that JAX's array-like check was given, e.g. ``jnp.sin``."""
+    for _ in range(4):
+        if frame is None:
+            break
+        name = frame.f_locals.get("fun_name")
+        if isinstance(name, str):
+            return f"jnp.{name}"
+        frame = frame.f_back
+    return "a jnp function"
+
+
+def getitem(x: ImplicitBase, index: Any) -> Any:
+    """`x[index]`, with NumPy's `IndexError` for an integer index past the end.
+
+    (JAX clamps such indices; for iteration protocols that stop at `IndexError`, an
+    index that never ends would loop forever.)
+    """
+    _check_bounds(tuple(x.shape), index)
+    wrapped = enter_current_trace((x, index))
+    if wrapped is not None:
+        return operator.getitem(*wrapped)
+    return use_implicit_args(operator.getitem)(x, index)
+
+
+def _check_bounds(shape: tuple[int, ...], index: Any) -> None:
+    entries = index if isinstance(index, tuple) else (index,)
+    for axis, entry in enumerate(entries):
+        if entry is None or entry is Ellipsis or axis >= len(shape):
+            return  # axes no longer line up with the entries: leave it to JAX
+        if isinstance(entry, (int, np.integer)) and not isinstance(entry, bool):
+            size = shape[axis]
+            if not -size <= int(entry) < size:
+                raise IndexError(
+                    f"index {int(entry)} is out of bounds for axis {axis} with size "
+                    f"{size}"
+                )
+        elif not isinstance(entry, slice):
+            return
+
+
+def iterate(x: ImplicitBase) -> Iterator[Any]:
+    """`iter(x)`: the `len(x)` rows ``x[0], x[1], ...`` (each through the interpreter)."""
+    if not x.shape:
+        raise TypeError("iteration over a 0-d array")
+    return (getitem(x, i) for i in range(x.shape[0]))
+
+
+def scalar(x: ImplicitBase, convert: type) -> Any:
+    """`bool(x)`, `int(x)`, `float(x)`, `complex(x)` of a one-element implicit array."""
+    if int(np.prod(x.shape, dtype=np.int64)) != 1:
+        if convert is bool:
+            raise ValueError(
+                "The truth value of an array with more than one element is ambiguous. "
+                "Use a.any() or a.all()"
+            )
+        raise TypeError(
+            f"only length-1 arrays can be converted to Python scalars; this "
+            f"{type(x).__name__} has shape {tuple(x.shape)}"
+        )
+    return convert(to_numpy(x).reshape(()))
