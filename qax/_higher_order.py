@@ -47,8 +47,6 @@ from ._compat import (
     current_trace,
     eval_jaxpr,
     forget_arg_names,
-    is_eval_trace,
-    jaxpr_as_fun,
     known_constant,
     make_debug_info,
     mapped_aval,
@@ -68,6 +66,7 @@ from ._interpreter import (
     MaterializationEvent,
     _recording,
     _source_line,
+    compile_jaxpr,
     holding_reports,
     materialize_nested,
     replay,
@@ -322,7 +321,8 @@ def _jit_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list
     scalars = tuple((i, np.asarray(v).item(), typeof(v)) for i, v in baked.items())
     key, flat_dynamic = _signature(dynamic, "jit", scalars)
     entry = _cached(closed, key)
-    if entry is None:
+    fresh = entry is None
+    if fresh:
 
         def body(wrapped):
             it = iter(wrapped)
@@ -335,7 +335,9 @@ def _jit_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list
     else:
         replay(entry.traced.events)
     traced = entry.traced
-    if inline and is_eval_trace(trace.parent_trace):
+    if inline and trace.eager and not fresh:
+        # Compiled on the second call of a signature: some `jnp` functions (`einsum`)
+        # stage a new jaxpr per call, for which JAX's own path is cheaper.
         outs = entry.compiled()(*flat_dynamic)
         return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 
@@ -370,7 +372,7 @@ class _JitEntry:
 
     def compiled(self) -> Callable:
         if self._compiled is None:
-            self._compiled = jax.jit(jaxpr_as_fun(self.traced.jaxpr))
+            self._compiled = compile_jaxpr(self.traced.jaxpr)
         return self._compiled
 
 

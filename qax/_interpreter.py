@@ -17,6 +17,7 @@ import os
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -33,6 +34,7 @@ from ._base import (
     quiet_materialization,
 )
 from ._compat import (
+    UNSPECIFIED,
     Primitive,
     Trace,
     Tracer,
@@ -42,6 +44,8 @@ from ._compat import (
     ensure_no_leaks,
     in_backward_pass,
     is_eval_trace,
+    jaxpr_as_fun,
+    primitives_module,
     set_current_trace,
     traced_source_line,
     typeof,
@@ -228,6 +232,8 @@ class ImplicitTrace(Trace):
         self.parent_trace = parent_trace
         self.tag = tag
         self.requires_low = False
+        # Eager: primitives on plain operands run right away (see `eager_jit`).
+        self.eager = is_eval_trace(parent_trace)
 
     # -- lifting and lowering ------------------------------------------------------------
 
@@ -263,6 +269,10 @@ class ImplicitTrace(Trace):
                 implicit = True
             vals.append(t)
         if not implicit:  # operands straight from `bind`: already canonical
+            if primitive is _JIT and self.eager:
+                compiled = eager_jit(params)
+                if compiled is not None:
+                    return compiled(*vals)
             return bind_canonical(self.parent_trace, primitive, vals, params)
         out = apply_primitive(self, primitive, vals, params)
         if primitive.multiple_results:
@@ -304,6 +314,76 @@ class ImplicitTrace(Trace):
     def process_shard_map(self, primitive, fun, tracers, **params):
         rule = structural_rules[primitive]
         return rule(self, primitive, fun, [self.to_value(t) for t in tracers], params)
+
+
+# ----------------------------------------------------------------------------------------
+# Eager calls of jitted functions
+
+_JIT = primitives_module.jit_p
+# The `jit` parameters that `compile_jaxpr` reproduces only at their default values.
+_JIT_PARAMS = (
+    "in_shardings",
+    "out_shardings",
+    "in_layouts",
+    "out_layouts",
+    "donated_invars",
+    "ctx_mesh",
+    "keep_unused",
+    "compiler_options_kvs",
+)
+# Per jaxpr: (the parameters it was last bound with, its compiled form or None).
+_eager_jits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def compile_jaxpr(closed: Any, keep_unused: bool = False) -> Callable:
+    """`closed` as a `jax.jit`-compiled function of its inputs (returns a list)."""
+    return jax.jit(jaxpr_as_fun(closed), keep_unused=keep_unused)
+
+
+def eager_jit(params: dict) -> Callable | None:
+    """A compiled function for an eager `jit` bind with `params`, if one applies.
+
+    Under any trace other than JAX's eval trace, a call of a jitted function (every
+    `jnp` function is one) leaves JAX's C++ fast path: JAX stages it and binds a `jit`,
+    which the eval trace then compiles and runs through a Python path on every call.
+    When such a `jit` reaches an eager `ImplicitTrace` with plain operands, it is run
+    instead by a `jax.jit` of its jaxpr (cached per jaxpr), whose calls take the fast
+    path. A jaxpr seen for the first time keeps the ordinary path (None): some `jnp`
+    functions (`einsum`) stage a new jaxpr on every call, which is not worth compiling
+    again. So do parameters other than the defaults (shardings, donation, layouts, a
+    mesh, compiler options).
+    """
+    closed = params["jaxpr"]
+    entry = _eager_jits.get(closed)
+    if entry is not None:
+        seen, compiled = entry
+        for name, value in zip(_JIT_PARAMS, seen):
+            if params[name] is not value:
+                break
+        else:
+            if compiled is _SEEN_ONCE:
+                compiled = None
+                if _default_jit_params(params):
+                    compiled = compile_jaxpr(closed, params["keep_unused"])
+                _eager_jits[closed] = (seen, compiled)
+            return compiled
+    _eager_jits[closed] = (tuple(params[n] for n in _JIT_PARAMS), _SEEN_ONCE)
+    return None
+
+
+_SEEN_ONCE = object()
+
+
+def _default_jit_params(params: dict) -> bool:
+    return (
+        all(s is UNSPECIFIED for s in params["in_shardings"])
+        and all(s is UNSPECIFIED for s in params["out_shardings"])
+        and all(layout is None for layout in params["in_layouts"])
+        and all(layout is None for layout in params["out_layouts"])
+        and not any(params["donated_invars"])
+        and params["ctx_mesh"].empty
+        and not params["compiler_options_kvs"]
+    )
 
 
 # ----------------------------------------------------------------------------------------
