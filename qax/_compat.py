@@ -11,10 +11,12 @@ import sys
 import jax
 import jax.extend.core as jex_core
 from jax._src import ad_util as _ad_util
+from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import dtypes as _dtypes
 from jax._src import linear_util as _lu
 from jax._src import source_info_util as _source_info
+from jax._src.array import ArrayImpl as ArrayImpl
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax.control_flow.common import _merge_common_consts
@@ -81,6 +83,11 @@ def varying_aval(shape, dtype, reference, axes: frozenset) -> ShapedArray:
         sharding=sharding,
         manual_axis_type=new,
     )
+
+
+def jit_context() -> tuple:
+    """The configuration that JAX's caches of staged `jit` functions are keyed on."""
+    return _config.trace_context()
 
 
 def current_trace() -> Trace:

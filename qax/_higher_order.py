@@ -36,6 +36,7 @@ from . import _dispatch
 from ._base import ImplicitBase, quiet_materialization
 from ._compat import (
     UNSPECIFIED,
+    ArrayImpl,
     ClosedJaxpr,
     FlatTree,
     SymbolicZero,
@@ -196,7 +197,14 @@ _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _signature(vals: Sequence, *extra: Any) -> tuple[tuple, list]:
     """The cache key of a body over `vals` (with `extra`), and their flat leaves."""
     flat, tree = flatten_values(vals)
-    return (*extra, tree, tuple(map(typeof, flat)), _dispatch.generation[0]), flat
+    return (*extra, tree, tuple(map(_leaf_type, flat)), _dispatch.generation[0]), flat
+
+
+def _leaf_type(x: Any) -> Any:
+    """What determines `typeof(x)` (computed directly for eager arrays: cheaper)."""
+    if type(x) is ArrayImpl:
+        return x.aval, x.sharding
+    return typeof(x)
 
 
 def _cached(anchor: Any, key: tuple) -> Any:
@@ -318,7 +326,8 @@ def _jit_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list
     inline = params.get("inline", False)
     baked = _scalar_literals(vals) if inline else {}
     dynamic = [v for i, v in enumerate(vals) if i not in baked]
-    scalars = tuple((i, np.asarray(v).item(), typeof(v)) for i, v in baked.items())
+    # Bytes, not values: 0.0 and -0.0 are equal but fold differently.
+    scalars = tuple((i, np.asarray(v).tobytes(), typeof(v)) for i, v in baked.items())
     key, flat_dynamic = _signature(dynamic, "jit", scalars)
     entry = _cached(closed, key)
     fresh = entry is None
@@ -338,7 +347,7 @@ def _jit_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list
     if inline and trace.eager and not fresh:
         # Compiled on the second call of a signature: some `jnp` functions (`einsum`)
         # stage a new jaxpr per call, for which JAX's own path is cheaper.
-        outs = entry.compiled()(*flat_dynamic)
+        outs = entry.call(flat_dynamic)
         return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 
     out_vals = traced.out_skeleton()
@@ -370,10 +379,34 @@ class _JitEntry:
         self.traced = traced
         self._compiled = None
 
-    def compiled(self) -> Callable:
+    def call(self, leaves: list) -> list:
+        """Run the body eagerly on the flat `leaves`."""
         if self._compiled is None:
-            self._compiled = compile_jaxpr(self.traced.jaxpr)
-        return self._compiled
+            self._compiled = _forwarding(self.traced.jaxpr) or compile_jaxpr(
+                self.traced.jaxpr
+            )
+        return self._compiled(*leaves)
+
+
+def _forwarding(closed: ClosedJaxpr) -> Callable | None:
+    """For a body without equations, the function that picks its outputs, else None.
+
+    Such a body (``zeros * x`` returning a new symbolic zero, ``zeros + x`` returning
+    ``x``) only forwards inputs and constants: running it through XLA would cost a
+    dispatch for nothing.
+    """
+    jaxpr = closed.jaxpr
+    if jaxpr.eqns or jaxpr.effects:
+        return None
+    sources = []
+    for v in jaxpr.outvars:
+        if v in jaxpr.invars:
+            sources.append((True, jaxpr.invars.index(v)))
+        elif v in jaxpr.constvars:
+            sources.append((False, closed.consts[jaxpr.constvars.index(v)]))
+        else:  # a literal
+            return None
+    return lambda *leaves: [leaves[x] if is_input else x for is_input, x in sources]
 
 
 def _scalar_literals(vals: Sequence) -> dict[int, Any]:
@@ -384,7 +417,7 @@ def _scalar_literals(vals: Sequence) -> dict[int, Any]:
     """
     found = {}
     for i, v in enumerate(vals):
-        if isinstance(v, ImplicitBase):
+        if (type(v) is ArrayImpl and v.ndim) or isinstance(v, ImplicitBase):
             continue
         try:
             aval = typeof(v)

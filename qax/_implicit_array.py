@@ -257,7 +257,7 @@ class ImplicitArray(ImplicitBase):
         if varying:
             aval = varying_aval(self.shape, self.dtype, reference, varying)
         else:
-            aval = ShapedArray(self.shape, self.dtype)
+            aval = _plain_aval(self.shape, self.dtype)
         d[_AVAL_CACHE] = ((self.shape, self.dtype), aval)
         return aval
 
@@ -290,6 +290,11 @@ class ImplicitArray(ImplicitBase):
 
     __eq__ = _implicit_method(operator.eq)
     __ne__ = _implicit_method(operator.ne)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plain_aval(shape: tuple[int, ...], dtype: Any) -> ShapedArray:
+    return ShapedArray(shape, dtype)
 
 
 def _varying_axes(x: ImplicitArray) -> tuple[Any, frozenset]:
