@@ -122,11 +122,13 @@ def _make_unflatten(cls: type) -> Callable:
 def _implicit_method(fn: Callable) -> Callable:
     """An array method that runs `fn` through the interpreter."""
 
+    implicit_fn = use_implicit_args(fn)
+
     def method(*args):
         wrapped = enter_current_trace(args)
         if wrapped is not None:
             return fn(*wrapped)
-        return use_implicit_args(fn)(*args)
+        return implicit_fn(*args)
 
     method.__name__ = getattr(fn, "__name__", "method")
     return method

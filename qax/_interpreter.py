@@ -13,6 +13,7 @@ import contextvars
 import copy
 import dataclasses
 import functools
+import operator
 import os
 import sys
 import threading
@@ -494,8 +495,11 @@ _JIT_PARAMS = (
     "keep_unused",
     "compiler_options_kvs",
 )
-# Per jaxpr: (the parameters it was last bound with, its compiled form or None).
-_eager_jits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_jit_params = operator.itemgetter(*_JIT_PARAMS)
+# id(jaxpr) -> (weak reference to it, the parameters it was last bound with, its
+# compiled form, None, or `_SEEN_ONCE`). A plain dict: this runs on every eager `jnp`
+# call, and a `WeakKeyDictionary` lookup costs more than the rest.
+_eager_jits: dict[int, tuple] = {}
 
 
 def compile_jaxpr(closed: Any, keep_unused: bool = False) -> Callable:
@@ -511,27 +515,35 @@ def eager_jit(params: dict) -> Callable | None:
     which the eval trace then compiles and runs through a Python path on every call.
     When such a `jit` reaches an eager `ImplicitTrace` with plain operands, it is run
     instead by a `jax.jit` of its jaxpr (cached per jaxpr), whose calls take the fast
-    path. A jaxpr seen for the first time keeps the ordinary path (None): some `jnp`
-    functions (`einsum`) stage a new jaxpr on every call, which is not worth compiling
-    again. So do parameters other than the defaults (shardings, donation, layouts, a
-    mesh, compiler options).
+    path. A jaxpr seen for the first time keeps the ordinary path (None): some are
+    staged for one call only, which is not worth compiling again. So do parameters
+    other than the defaults (shardings, donation, layouts, a mesh, compiler options).
     """
     closed = params["jaxpr"]
-    entry = _eager_jits.get(closed)
-    if entry is not None:
-        seen, compiled = entry
-        for name, value in zip(_JIT_PARAMS, seen):
-            if params[name] is not value:
-                break
-        else:
-            if compiled is _SEEN_ONCE:
-                compiled = None
-                if _default_jit_params(params):
-                    compiled = compile_jaxpr(closed, params["keep_unused"])
-                _eager_jits[closed] = (seen, compiled)
+    key = id(closed)
+    seen = _jit_params(params)
+    entry = _eager_jits.get(key)
+    if entry is not None and entry[0]() is closed and entry[1] == seen:
+        compiled = entry[2]
+        if compiled is not _SEEN_ONCE:
             return compiled
-    _eager_jits[closed] = (tuple(params[n] for n in _JIT_PARAMS), _SEEN_ONCE)
-    return None
+        compiled = None
+        if _default_jit_params(params):
+            compiled = compile_jaxpr(closed, params["keep_unused"])
+    else:
+        compiled = _SEEN_ONCE
+    _eager_jits[key] = (weakref.ref(closed, _forget(key)), seen, compiled)
+    return None if compiled is _SEEN_ONCE else compiled
+
+
+def _forget(key: int, entries: dict = _eager_jits) -> Callable:
+    # `entries` is bound now: at interpreter exit module globals are already gone.
+    def callback(ref):
+        entry = entries.get(key)
+        if entry is not None and entry[0] is ref:
+            del entries[key]
+
+    return callback
 
 
 _SEEN_ONCE = object()
