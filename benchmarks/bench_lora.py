@@ -65,7 +65,6 @@ import qax  # noqa: E402
 class LoraMatrix(qax.ImplicitArray):
     """``w + a @ b.T``, never formed: matmuls against it run the two products."""
 
-    # One LoRA is 2-D; leading dims of all three are batch dims (stacked layers).
     w: qax.ArrayValue = qax.array_field(ndim=2)
     a: qax.ArrayValue = qax.array_field(ndim=2)
     b: qax.ArrayValue = qax.array_field(ndim=2)
