@@ -550,8 +550,11 @@ _SEEN_ONCE = object()
 
 
 def _default_jit_params(params: dict) -> bool:
+    closed = params["jaxpr"]
     return (
-        all(s is UNSPECIFIED for s in params["in_shardings"])
+        not closed.effects  # ordered effects, refs: JAX's own path
+        and not closed.jaxpr.is_high
+        and all(s is UNSPECIFIED for s in params["in_shardings"])
         and all(s is UNSPECIFIED for s in params["out_shardings"])
         and all(layout is None for layout in params["in_layouts"])
         and all(layout is None for layout in params["out_layouts"])

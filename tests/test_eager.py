@@ -197,3 +197,12 @@ def test_eager_caches_do_not_grow_over_calls():
     for _ in range(20):
         f_implicit(lora, x, z)
     assert (len(_interpreter._eager_jits), len(_interpreter._operator_binds)) == sizes
+
+
+def test_effects_inside_jits_run_on_every_call(capsys):
+    g = jax.jit(lambda a: (jax.debug.print("seen {}", a.sum()), a * 2.0)[1])
+    f = qax.use_implicit_args(lambda z, x: g(x) + z)
+    for _ in range(3):
+        assert_close(f(Zeros(shape=(3, 4)), X), 2.0 * X)
+    jax.effects_barrier()
+    assert capsys.readouterr().out.count("seen") == 3
