@@ -22,6 +22,7 @@ Run from the repository root:
 from __future__ import annotations
 
 import argparse
+import operator
 import os
 import sys
 import time
@@ -30,6 +31,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import (  # noqa: E402
@@ -69,22 +71,19 @@ class Zeros(qax.ImplicitArray):
         return jnp.zeros(self.shape, self.dtype)
 
 
-def _broadcast(a, b):
-    return jnp.broadcast_shapes(a.shape, b.shape), jnp.result_type(a.dtype, b.dtype)
+# Handlers see `lax` primitives, whose operands already share one shape and dtype
+# (`jnp` broadcasts and promotes before binding), so they need not compute either
+# (`jnp.result_type` alone costs about as much as a small eager op).
 
 
 @qax.primitive_handler("add")
 def zeros_add(primitive, a: Zeros, b: qax.ArrayValue):
-    shape, dtype = _broadcast(a, b)
-    if isinstance(b, Zeros):
-        return Zeros(shape=shape, dtype=dtype)
-    return jnp.broadcast_to(b, shape).astype(dtype)
+    return b
 
 
 @qax.primitive_handler("mul")
 def zeros_mul(primitive, a: Zeros, b: qax.ArrayValue):
-    shape, dtype = _broadcast(a, b)
-    return Zeros(shape=shape, dtype=dtype)
+    return Zeros(shape=a.shape, dtype=a.dtype)
 
 
 @qax.primitive_handler("broadcast_in_dim")
@@ -114,8 +113,27 @@ class PassThroughTrace(Trace):
 
 
 def pass_through(f):
+    """`f` run under a new pass-through trace per call (grows JAX's jit cache)."""
+
     def run(*args):
         with set_current_trace(PassThroughTrace(current_trace())):
+            return f(*args)
+
+    return run
+
+
+_shared_pass_through: dict[int, PassThroughTrace] = {}
+
+
+def floor(f):
+    """`f` run under one shared pass-through trace (as qax shares its eager trace)."""
+
+    def run(*args):
+        parent = current_trace()
+        trace = _shared_pass_through.get(id(parent))
+        if trace is None or trace.parent_trace is not parent:
+            trace = _shared_pass_through[id(parent)] = PassThroughTrace(parent)
+        with set_current_trace(trace):
             return f(*args)
 
     return run
@@ -125,12 +143,13 @@ def _ready(f):
     return lambda: jax.block_until_ready(f())
 
 
-def _fresh_caches(fn):
+def _fresh_caches(fn, warmup: int = 3):
     # Every call of a jitted function under a new trace adds an entry to JAX's C++ jit
-    # cache (keyed on the trace); see `drift_row`. Start every sample from empty caches
-    # so that samples do not depend on how many calls ran before.
+    # cache (keyed on the trace); see `drift_rows`. Start from empty caches, then warm
+    # up (qax compiles the `jit`s it sees a second time, see the README).
     jax.clear_caches()
-    fn()
+    for _ in range(warmup):
+        fn()
 
 
 def eager_rows(reps: int, inner: int) -> list[list[str]]:
@@ -182,11 +201,11 @@ def eager_rows(reps: int, inner: int) -> list[list[str]]:
         fns = {
             "qax": _ready(with_qax),
             "dense": _ready(lambda f=dense: f(x, w, a, b)),
-            "floor": _ready(lambda f=dense: pass_through(f)(x, w, a, b)),
+            "floor": _ready(lambda f=dense: floor(f)(x, w, a, b)),
         }
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", qax.MaterializationWarning)
-            times = interleaved(fns, reps, warmup=1, inner=inner, setup=_fresh_caches)
+            times = interleaved(fns, reps, warmup=3, inner=inner)
         rows.append(
             [
                 name,
@@ -202,12 +221,61 @@ def eager_rows(reps: int, inner: int) -> list[list[str]]:
     return rows
 
 
+def sequential_rows(reps: int, n_ops: int) -> list[list[str]]:
+    """`n_ops` dependent ops on a symbolic zero inside one eager call, per op.
+
+    The implicit operand stays a `Zeros` from op to op; the dense version runs the same
+    ops on `jnp.zeros`. This is the per-op cost of eager code (one trace entry for the
+    whole loop), without the entry cost of `use_implicit_args` that the table above
+    includes.
+    """
+    x = jax.random.normal(jax.random.PRNGKey(0), (8, 64))
+    zeros, zeros_dense = Zeros(shape=x.shape), jnp.zeros(x.shape)
+
+    def chain(op):
+        def run(z, x):
+            for _ in range(n_ops):
+                z = op(z, x)
+            return z
+
+        return run
+
+    cases = {"lax.mul(z, x)": lax.mul, "z * x": operator.mul}
+    rows = []
+    for name, op in cases.items():
+        f = chain(op)
+        got = qax.use_implicit_args(f)(zeros, x)
+        assert isinstance(got, Zeros), name  # stayed symbolic
+        np.testing.assert_allclose(got.materialize(), f(zeros_dense, x))
+        fns = {
+            "qax": _ready(lambda f=f: qax.use_implicit_args(f)(zeros, x)),
+            "dense": _ready(lambda f=f: f(zeros_dense, x)),
+            "floor": _ready(lambda f=f: floor(f)(zeros_dense, x)),
+        }
+        times = interleaved(fns, reps, warmup=3)
+        rows.append(
+            [
+                name,
+                fmt_seconds(median(times["qax"]) / n_ops),
+                fmt_seconds(median(times["dense"]) / n_ops),
+                f"{paired_ratio(times, 'qax', 'dense'):.2f}",
+                fmt_seconds(median(times["floor"]) / n_ops),
+                f"{paired_ratio(times, 'floor', 'dense'):.2f}",
+            ]
+        )
+    return rows
+
+
 def drift_rows(calls: int) -> list[list[str]]:
     """An eager op timed on fresh caches, and again after `calls` earlier calls."""
     x = jnp.ones((8, 64))
+    zeros = Zeros(shape=x.shape)
     cases = {
         "use_implicit_args(jnp.exp)(x)": lambda: qax.use_implicit_args(jnp.exp)(x),
-        "pass-through trace, jnp.exp(x)": lambda: pass_through(jnp.exp)(x),
+        "use_implicit_args(z * x + x)": lambda: qax.use_implicit_args(
+            lambda z, x: z * x + x
+        )(zeros, x),
+        "new pass-through trace per call, jnp.exp(x)": lambda: pass_through(jnp.exp)(x),
         "jnp.exp(x)": lambda: jnp.exp(x),
     }
 
@@ -331,15 +399,17 @@ def main(argv: list[str] | None = None) -> None:
             500,
             5,
         )
+        n_ops = 50
     else:
         cfg, eager_reps, inner, drift, trace_reps = Config(), 15, 20, 3000, 15
+        n_ops = 200
 
     print(
         f"JAX {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs"
     )
     print(
         "times: medians; ratios: medians of per-repetition ratios "
-        f"(eager: {eager_reps} x {inner} calls, caches cleared before each sample; "
+        f"(eager: {eager_reps} x {inner} calls after warm-up calls; "
         f"tracing: {trace_reps} repetitions)\n"
     )
     print("### eager per-op dispatch (x: 8x64, lora: 64x64 rank 4, zeros: 8x64)\n")
@@ -361,6 +431,15 @@ def main(argv: list[str] | None = None) -> None:
                 "materializes",
             ],
             eager_rows(eager_reps, inner),
+        )
+    )
+    print(
+        f"\n### eager, {n_ops} sequential ops on a symbolic zero in one call, per op\n"
+    )
+    print(
+        markdown_table(
+            ["op", "qax", "dense", "qax/dense", "floor", "floor/dense"],
+            sequential_rows(eager_reps, n_ops),
         )
     )
     print("\n### eager cost drift: JAX's jit cache grows by one entry per call\n")

@@ -448,6 +448,40 @@ def measure(cfg: Config, scan: bool, reps: Reps) -> tuple[list[list[str]], list[
     return rows, notes
 
 
+# The models of the eager table: the benchmark GPT, and a small one whose ops are so
+# small that per-op dispatch (Python) dominates.
+SMALL = Config(d_model=64, d_ff=256, seq=16, batch=2)
+
+
+def eager_rows(configs: dict[str, Config], reps: int, inner: int) -> list[list[str]]:
+    """Un-jitted forward passes: each variant's loss called directly, per call."""
+    rows = []
+    for label, cfg in configs.items():
+        variants, tokens = build_variants(cfg, scan=False)
+        got = variants["qax"].loss(variants["qax"].params, tokens)
+        want = variants["hand"].loss(variants["hand"].params, tokens)
+        np.testing.assert_allclose(got, want, rtol=2e-4, err_msg="qax != hand LoRA")
+        times = interleaved(
+            {
+                name: (lambda v=v, t=tokens: jax.block_until_ready(v.loss(v.params, t)))
+                for name, v in variants.items()
+            },
+            reps,
+            warmup=2,
+            inner=inner,
+        )
+        rows.append(
+            [
+                f"{label} (d_model {cfg.d_model}, {cfg.n_layers} layers, "
+                f"batch {cfg.batch}x{cfg.seq})",
+                *(fmt_seconds(median(times[n])) for n in ("dense", "hand", "qax")),
+                f"{paired_ratio(times, 'qax', 'hand'):.2f}",
+                f"{paired_ratio(times, 'qax', 'dense'):.2f}",
+            ]
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -459,15 +493,22 @@ def main(argv: list[str] | None = None) -> None:
         default="both",
         help="layers as a Python loop, stacked under lax.scan, or both (default)",
     )
+    parser.add_argument(
+        "--eager-only",
+        action="store_true",
+        help="only the eager (un-jitted) forward table",
+    )
     args = parser.parse_args(argv)
     # Any materialization in the qax variant means it is not measuring LoRA any more.
     warnings.simplefilter("error", qax.MaterializationWarning)
     if args.quick:
         cfg = Config(n_layers=2, seq=32, batch=4)
         reps = Reps(trace_fwd=5, trace_step=3, first_call=1, steady=5)
+        eager_reps, eager_inner = 5, 2
     else:
         cfg = Config()
         reps = Reps(trace_fwd=15, trace_step=10, first_call=5, steady=20)
+        eager_reps, eager_inner = 21, 5
 
     print(
         f"JAX {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs"
@@ -477,6 +518,22 @@ def main(argv: list[str] | None = None) -> None:
         "times: medians; ratios: medians of per-repetition ratios "
         f"(repetitions: {dataclasses.asdict(reps)})\n"
     )
+    print("eager forward:", file=sys.stderr)
+    print(
+        "### eager (un-jitted) forward, layers as a Python loop "
+        f"({eager_reps} x {eager_inner} calls)\n"
+    )
+    print(
+        markdown_table(
+            ["model", "dense", "hand LoRA", "qax LoRA", "qax/hand", "qax/dense"],
+            eager_rows(
+                {"benchmark GPT": cfg, "small GPT": SMALL}, eager_reps, eager_inner
+            ),
+        )
+    )
+    print()
+    if args.eager_only:
+        return
     headers = ["measurement", "dense", "hand LoRA", "qax LoRA", "qax/hand", "qax/dense"]
     layouts = {"loop": [False], "scan": [True], "both": [False, True]}[args.layout]
     for scan in layouts:

@@ -14,7 +14,14 @@ from typing import Any, ClassVar
 from ._compat import Primitive, ShapedArray
 
 
-class ImplicitBase(abc.ABC):
+class _ImplicitMeta(abc.ABCMeta):
+    # `isinstance(x, ImplicitBase)` runs several times per primitive: use `type`'s C
+    # checks instead of ABCMeta's (no virtual subclasses are registered anyway).
+    __instancecheck__ = type.__instancecheck__
+    __subclasscheck__ = type.__subclasscheck__
+
+
+class ImplicitBase(metaclass=_ImplicitMeta):
     """Base of every implicit array; see `qax.ImplicitArray`."""
 
     commute_ops: ClassVar[bool] = True

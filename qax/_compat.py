@@ -12,11 +12,13 @@ from collections.abc import Callable
 import jax
 import jax.extend.core as jex_core
 from jax._src import ad_util as _ad_util
+from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import dtypes as _dtypes
 from jax._src import linear_util as _lu
 from jax._src import source_info_util as _source_info
 from jax._src import traceback_util as _traceback_util
+from jax._src.array import ArrayImpl as ArrayImpl
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import mlir as _mlir
@@ -85,6 +87,11 @@ def varying_aval(shape, dtype, reference, axes: frozenset) -> ShapedArray:
         sharding=sharding,
         manual_axis_type=new,
     )
+
+
+def jit_context() -> tuple:
+    """The configuration that JAX's caches of staged `jit` functions are keyed on."""
+    return _config.trace_context()
 
 
 def current_trace() -> Trace:

@@ -45,6 +45,7 @@ from ._batching import (
 )
 from ._compat import (
     UNSPECIFIED,
+    ArrayImpl,
     ClosedJaxpr,
     FlatTree,
     SymbolicZero,
@@ -56,8 +57,6 @@ from ._compat import (
     current_trace,
     eval_jaxpr,
     forget_arg_names,
-    is_eval_trace,
-    jaxpr_as_fun,
     known_constant,
     make_debug_info,
     mapped_aval,
@@ -79,6 +78,7 @@ from ._interpreter import (
     MaterializationEvent,
     _recording,
     _source_line,
+    compile_jaxpr,
     holding_reports,
     materialize_nested,
     replay,
@@ -228,7 +228,14 @@ _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _signature(vals: Sequence, *extra: Any) -> tuple[tuple, list]:
     """The cache key of a body over `vals` (with `extra`), and their flat leaves."""
     flat, tree = flatten_values(vals)
-    return (*extra, tree, tuple(map(typeof, flat)), _dispatch.generation[0]), flat
+    return (*extra, tree, tuple(map(_leaf_type, flat)), _dispatch.generation[0]), flat
+
+
+def _leaf_type(x: Any) -> Any:
+    """What determines `typeof(x)` (computed directly for eager arrays: cheaper)."""
+    if type(x) is ArrayImpl:
+        return x.aval, x.sharding
+    return typeof(x)
 
 
 def _cached(anchor: Any, key: tuple) -> Any:
@@ -350,10 +357,12 @@ def _jit_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list
     inline = params.get("inline", False)
     baked = _scalar_literals(vals) if inline else {}
     dynamic = [v for i, v in enumerate(vals) if i not in baked]
-    scalars = tuple((i, np.asarray(v).item(), typeof(v)) for i, v in baked.items())
+    # Bytes, not values: 0.0 and -0.0 are equal but fold differently.
+    scalars = tuple((i, np.asarray(v).tobytes(), typeof(v)) for i, v in baked.items())
     key, flat_dynamic = _signature(dynamic, "jit", scalars)
     entry = _cached(closed, key)
-    if entry is None:
+    fresh = entry is None
+    if fresh:
 
         def body(wrapped):
             it = iter(wrapped)
@@ -367,8 +376,10 @@ def _jit_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list
     else:
         replay(entry.traced.events)
     traced = entry.traced
-    if inline and is_eval_trace(trace.parent_trace):
-        outs = entry.compiled()(*flat_dynamic)
+    if inline and trace.eager and not fresh:
+        # Compiled on the second call of a signature: some `jnp` functions (`einsum`)
+        # stage a new jaxpr per call, for which JAX's own path is cheaper.
+        outs = entry.call(flat_dynamic)
         return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 
     out_vals = traced.out_skeleton()
@@ -400,18 +411,40 @@ class _JitEntry:
         self.traced = traced
         self._compiled = None
 
-    def compiled(self) -> Callable:
+    def call(self, leaves: list) -> list:
+        """Run the body eagerly on the flat `leaves`."""
         if self._compiled is None:
             closed = self.traced.jaxpr
-            run = jaxpr_as_fun(closed)
+            run = _forwarding(closed) or compile_jaxpr(closed)
             weak = [a.weak_type for a in closed.in_avals]
             if any(weak):  # the body was traced with weaker inputs than given
 
                 def run(*leaves, _body=run):
                     return _body(*map(_weaken, leaves, weak))
 
-            self._compiled = jax.jit(run)
-        return self._compiled
+            self._compiled = run
+        return self._compiled(*leaves)
+
+
+def _forwarding(closed: ClosedJaxpr) -> Callable | None:
+    """For a body without equations, the function that picks its outputs, else None.
+
+    Such a body (``zeros * x`` returning a new symbolic zero, ``zeros + x`` returning
+    ``x``) only forwards inputs and constants: running it through XLA would cost a
+    dispatch for nothing.
+    """
+    jaxpr = closed.jaxpr
+    if jaxpr.eqns or jaxpr.effects:
+        return None
+    sources = []
+    for v in jaxpr.outvars:
+        if v in jaxpr.invars:
+            sources.append((True, jaxpr.invars.index(v)))
+        elif v in jaxpr.constvars:
+            sources.append((False, closed.consts[jaxpr.constvars.index(v)]))
+        else:  # a literal
+            return None
+    return lambda *leaves: [leaves[x] if is_input else x for is_input, x in sources]
 
 
 def _weaken(x: Any, weak: bool) -> Any:
@@ -432,7 +465,7 @@ def _scalar_literals(vals: Sequence) -> dict[int, Any]:
     """
     found = {}
     for i, v in enumerate(vals):
-        if isinstance(v, ImplicitBase):
+        if (type(v) is ArrayImpl and v.ndim) or isinstance(v, ImplicitBase):
             continue
         try:
             aval = typeof(v)

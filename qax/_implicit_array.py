@@ -127,11 +127,13 @@ def _wrap_materialize(cls: type) -> None:
 def _implicit_method(fn: Callable) -> Callable:
     """An array method that runs `fn` through the interpreter."""
 
+    implicit_fn = use_implicit_args(fn)
+
     def method(*args):
         wrapped = enter_current_trace(args)
         if wrapped is not None:
             return fn(*wrapped)
-        return use_implicit_args(fn)(*args)
+        return implicit_fn(*args)
 
     method.__name__ = getattr(fn, "__name__", "method")
     return method
@@ -266,7 +268,7 @@ class ImplicitArray(ImplicitBase):
         if varying:
             aval = varying_aval(self.shape, self.dtype, reference, varying)
         else:
-            aval = ShapedArray(self.shape, self.dtype)
+            aval = _plain_aval(self.shape, self.dtype)
         d[_AVAL_CACHE] = ((self.shape, self.dtype), aval)
         return aval
 
@@ -299,6 +301,11 @@ class ImplicitArray(ImplicitBase):
 
     __eq__ = _implicit_method(operator.eq)
     __ne__ = _implicit_method(operator.ne)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plain_aval(shape: tuple[int, ...], dtype: Any) -> ShapedArray:
+    return ShapedArray(shape, dtype)
 
 
 def _varying_axes(x: ImplicitArray) -> tuple[Any, frozenset]:

@@ -13,6 +13,7 @@ import contextvars
 import copy
 import dataclasses
 import functools
+import operator
 import os
 import sys
 import threading
@@ -34,6 +35,8 @@ from ._base import (
     quiet_materialization,
 )
 from ._compat import (
+    UNSPECIFIED,
+    ArrayImpl,
     ClosedJaxpr,
     Jaxpr,
     Primitive,
@@ -42,16 +45,20 @@ from ._compat import (
     TraceTag,
     api_boundary,
     bind_canonical,
+    canonicalize_value,
     current_trace,
     ensure_no_leaks,
     hide_frames_of,
     in_backward_pass,
     instantiate_zeros,
     is_eval_trace,
+    is_stack_before_transformation,
+    jaxpr_as_fun,
+    jit_context,
     primitive_batchers,
     primitive_jvps,
+    primitives_module,
     register_lowering_fun,
-    is_stack_before_transformation,
     set_current_trace,
     traced_source_line,
     typeof,
@@ -246,7 +253,9 @@ class ImplicitTracer(Tracer):
     __slots__ = ("value",)
 
     def __init__(self, trace: ImplicitTrace, value: ImplicitBase):
-        super().__init__(trace, value.aval)
+        # What `Tracer.__init__` does, without the call (one per implicit result).
+        self._trace = trace
+        self.aval = value.aval
         self.value = value
 
     def full_lower(self):
@@ -280,6 +289,10 @@ class ImplicitTrace(Trace):
         self.parent_trace = parent_trace
         self.tag = tag
         self.requires_low = False
+        # Eager: primitives on plain operands run right away (see `eager_jit`).
+        self.eager = is_eval_trace(parent_trace)
+        # While an eager operator is looked at: the binds it makes (see `_operator`).
+        self.recording: list | None = None
 
     # -- lifting and lowering ------------------------------------------------------------
 
@@ -303,15 +316,19 @@ class ImplicitTrace(Trace):
     # -- JAX's Trace interface -----------------------------------------------------------
 
     def process_primitive(self, primitive, tracers, params):
+        if self.recording is not None:
+            return self._record(primitive, tracers, params)
         # Hot path (every primitive bound while this trace is current): unwrap and look
         # for implicit operands in one pass, without a method call per operand.
         tag = self.tag
         vals = []
         implicit = False
         for t in tracers:
-            if isinstance(t, ImplicitTracer) and t._trace.tag is tag:
-                t = t.value
-            if not implicit and isinstance(t, ImplicitBase):
+            if isinstance(t, ImplicitTracer):
+                if t._trace.tag is tag:
+                    t = t.value  # always implicit
+                    implicit = True
+            elif not implicit and isinstance(t, ImplicitBase):
                 implicit = True
             vals.append(t)
         if not implicit:  # operands straight from `bind`: already canonical
@@ -320,6 +337,10 @@ class ImplicitTrace(Trace):
                 and primitive in structural_rules
                 and holds_created_implicit(params)
             ):
+                if primitive is _JIT and self.eager:
+                    compiled = eager_jit(params)
+                    if compiled is not None:
+                        return compiled(*vals)
                 return bind_canonical(self.parent_trace, primitive, vals, params)
             out = structural_rules[primitive](self, primitive, vals, params)
         else:
@@ -328,18 +349,33 @@ class ImplicitTrace(Trace):
             return [self.wrap(o) for o in out]
         return self.wrap(out)
 
+    def _record(self, primitive, tracers, params):
+        recording, self.recording = self.recording, None
+        try:
+            out = self.process_primitive(primitive, tracers, params)
+        finally:
+            self.recording = recording
+        recording.append((primitive, tracers, params, out))
+        return out
+
+    def _not_an_operator(self) -> None:
+        if self.recording is not None:
+            self.recording.append(None)
+
     def stage_value(self, val):
         if isinstance(val, ImplicitTracer) and val._trace.tag is self.tag:
             return val
         return self.parent_trace.stage_value(val)
 
     def process_call(self, call_primitive, f, tracers, params):
+        self._not_an_operator()
         rule = structural_rules[call_primitive]
         return rule(
             self, call_primitive, f, [self.to_value(t) for t in tracers], params
         )
 
     def process_custom_jvp_call(self, primitive, fun, jvp, tracers, *, symbolic_zeros):
+        self._not_an_operator()
         rule = structural_rules[primitive]
         vals = [self.to_value(t) for t in tracers]
         return rule(self, primitive, fun, jvp, vals, symbolic_zeros=symbolic_zeros)
@@ -347,6 +383,7 @@ class ImplicitTrace(Trace):
     def process_custom_vjp_call(
         self, primitive, fun, fwd, bwd, tracers, *, out_trees, symbolic_zeros
     ):
+        self._not_an_operator()
         rule = structural_rules[primitive]
         vals = [self.to_value(t) for t in tracers]
         return rule(
@@ -361,8 +398,228 @@ class ImplicitTrace(Trace):
         )
 
     def process_shard_map(self, primitive, fun, tracers, **params):
+        self._not_an_operator()
         rule = structural_rules[primitive]
         return rule(self, primitive, fun, [self.to_value(t) for t in tracers], params)
+
+
+# ----------------------------------------------------------------------------------------
+# Eager operators on implicit tracers
+#
+# ``t * x`` on a tracer runs JAX's `jnp.multiply`, a jitted function. Under any trace
+# but the eval trace, JAX stages such a call in Python every time (a C++ cache miss,
+# argument parsing, shape inference, `bind`) before its `jit` reaches
+# `process_primitive`: several times the cost of the operation itself. Eagerly, the
+# `jit` that an operator binds is remembered per (operator, operand types, JAX's
+# configuration) the first time, and later calls bind it on the trace directly.
+
+# The dunder methods of `Tracer` that call one `jnp` function on their operands.
+_OPERATORS = (
+    *(
+        f"{prefix}{name}"
+        for name in (
+            "add",
+            "sub",
+            "mul",
+            "truediv",
+            "floordiv",
+            "mod",
+            "pow",
+            "matmul",
+            "and",
+            "or",
+            "xor",
+            "lshift",
+            "rshift",
+        )
+        for prefix in ("", "r")
+    ),
+    *("lt", "le", "gt", "ge", "eq", "ne", "neg", "pos", "abs", "invert"),
+)
+# (operator, config, operand types) -> (params of the `jit` it binds, where each of its
+# operands comes from).
+_operator_binds: dict[tuple, tuple] = {}
+_OPERATOR_CACHE_LIMIT = 4096
+_SCALARS = (bool, int, float, complex)
+
+
+def _operator(name: str) -> Callable:
+    jax_method = getattr(Tracer, f"__{name}__")
+
+    def method(self, *args):
+        trace = self._trace
+        if trace.eager and trace.recording is None and current_trace() is trace:
+            return trace.run_operator(name, jax_method, self, args)
+        return jax_method(self, *args)
+
+    method.__name__ = method.__qualname__ = f"__{name}__"
+    return method
+
+
+for _name in _OPERATORS:
+    setattr(ImplicitTracer, f"__{_name}__", _operator(_name))
+
+
+def _operand_key(x: Any, trace: ImplicitTrace) -> Any:
+    """What JAX's staging of an operator sees of operand `x`; None: not remembered."""
+    if isinstance(x, ImplicitTracer):
+        return x.aval if x._trace is trace else None
+    if type(x) is ArrayImpl:
+        # Concrete scalars may change what `jnp` does (`x ** 2` is an `integer_pow`).
+        return (x.aval, x.sharding) if x.ndim else None
+    if type(x) in _SCALARS:
+        return type(x), repr(x)  # repr: tells 0.0 from -0.0
+    return None
+
+
+def _operand_sources(bound: list, operands: tuple) -> tuple | None:
+    """Where each operand of a recorded `jit` bind came from, among `operands`.
+
+    Entries: (index, kind), kind 0 for an implicit tracer (its value is bound), 1 for
+    an array (bound as it is), 2 for a Python scalar (bound canonicalized).
+    """
+    sources = []
+    for b in bound:
+        for j, x in enumerate(operands):
+            if b is x:
+                sources.append((j, 0 if isinstance(x, ImplicitTracer) else 1))
+                break
+            if type(x) in _SCALARS and not isinstance(b, Tracer) and b == x:
+                sources.append((j, 2))
+                break
+        else:
+            return None  # a constant of JAX's own: not an operand
+    if not any(j == 0 for j, _ in sources):
+        return None
+    return tuple(sources)
+
+
+def _run_operator(
+    trace: ImplicitTrace, name: str, jax_method: Callable, tracer: Any, args: tuple
+) -> Any:
+    key = [name, jit_context(), tracer.aval]
+    for x in args:
+        k = _operand_key(x, trace)
+        if k is None:
+            return jax_method(tracer, *args)
+        key.append(k)
+    key = tuple(key)
+    found = _operator_binds.get(key)
+    operands = (tracer, *args)
+    if found is not None:
+        params, sources = found
+        vals = [
+            operands[j].value
+            if kind == 0
+            else operands[j]
+            if kind == 1
+            else canonicalize_value(operands[j])
+            for j, kind in sources
+        ]
+        with set_current_trace(trace.parent_trace):  # as `bind` does
+            out = apply_primitive(trace, _JIT, vals, params)
+        return trace.wrap(out[0])
+    recording = trace.recording = []
+    try:
+        result = jax_method(tracer, *args)
+    finally:
+        trace.recording = None
+    if len(recording) == 1 and recording[0] is not None:
+        primitive, bound, params, outs = recording[0]
+        if primitive is _JIT and len(outs) == 1 and outs[0] is result:
+            sources = _operand_sources(bound, operands)
+            if sources is not None:
+                if len(_operator_binds) >= _OPERATOR_CACHE_LIMIT:
+                    _operator_binds.clear()
+                _operator_binds[key] = (params, sources)
+    return result
+
+
+ImplicitTrace.run_operator = _run_operator
+
+
+# ----------------------------------------------------------------------------------------
+# Eager calls of jitted functions
+
+_JIT = primitives_module.jit_p
+# The `jit` parameters that `compile_jaxpr` reproduces only at their default values.
+_JIT_PARAMS = (
+    "in_shardings",
+    "out_shardings",
+    "in_layouts",
+    "out_layouts",
+    "donated_invars",
+    "ctx_mesh",
+    "keep_unused",
+    "compiler_options_kvs",
+)
+_jit_params = operator.itemgetter(*_JIT_PARAMS)
+# id(jaxpr) -> (weak reference to it, the parameters it was last bound with, its
+# compiled form, None, or `_SEEN_ONCE`). A plain dict: this runs on every eager `jnp`
+# call, and a `WeakKeyDictionary` lookup costs more than the rest.
+_eager_jits: dict[int, tuple] = {}
+
+
+def compile_jaxpr(closed: Any, keep_unused: bool = False) -> Callable:
+    """`closed` as a `jax.jit`-compiled function of its inputs (returns a list)."""
+    return jax.jit(jaxpr_as_fun(closed), keep_unused=keep_unused)
+
+
+def eager_jit(params: dict) -> Callable | None:
+    """A compiled function for an eager `jit` bind with `params`, if one applies.
+
+    Under any trace other than JAX's eval trace, a call of a jitted function (every
+    `jnp` function is one) leaves JAX's C++ fast path: JAX stages it and binds a `jit`,
+    which the eval trace then compiles and runs through a Python path on every call.
+    When such a `jit` reaches an eager `ImplicitTrace` with plain operands, it is run
+    instead by a `jax.jit` of its jaxpr (cached per jaxpr), whose calls take the fast
+    path. A jaxpr seen for the first time keeps the ordinary path (None): some are
+    staged for one call only, which is not worth compiling again. So do parameters
+    other than the defaults (shardings, donation, layouts, a mesh, compiler options).
+    """
+    closed = params["jaxpr"]
+    key = id(closed)
+    seen = _jit_params(params)
+    entry = _eager_jits.get(key)
+    if entry is not None and entry[0]() is closed and entry[1] == seen:
+        compiled = entry[2]
+        if compiled is not _SEEN_ONCE:
+            return compiled
+        compiled = None
+        if _default_jit_params(params):
+            compiled = compile_jaxpr(closed, params["keep_unused"])
+    else:
+        compiled = _SEEN_ONCE
+    _eager_jits[key] = (weakref.ref(closed, _forget(key)), seen, compiled)
+    return None if compiled is _SEEN_ONCE else compiled
+
+
+def _forget(key: int, entries: dict = _eager_jits) -> Callable:
+    # `entries` is bound now: at interpreter exit module globals are already gone.
+    def callback(ref):
+        entry = entries.get(key)
+        if entry is not None and entry[0] is ref:
+            del entries[key]
+
+    return callback
+
+
+_SEEN_ONCE = object()
+
+
+def _default_jit_params(params: dict) -> bool:
+    closed = params["jaxpr"]
+    return (
+        not closed.effects  # ordered effects, refs: JAX's own path
+        and not closed.jaxpr.is_high
+        and all(s is UNSPECIFIED for s in params["in_shardings"])
+        and all(s is UNSPECIFIED for s in params["out_shardings"])
+        and all(layout is None for layout in params["in_layouts"])
+        and all(layout is None for layout in params["out_layouts"])
+        and not any(params["donated_invars"])
+        and params["ctx_mesh"].empty
+        and not params["compiler_options_kvs"]
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -527,7 +784,10 @@ def call_with_children(trace: ImplicitTrace, fn: Callable, *args: Any, **kwargs:
                     object.__setattr__(arg, name, wrapped)
                 new_args[i] = arg
     if not nested:
-        with set_current_trace(trace.parent_trace):
+        parent = trace.parent_trace
+        if current_trace() is parent:  # inside `bind`, eagerly
+            return fn(*args, **kwargs)
+        with set_current_trace(parent):
             return fn(*args, **kwargs)
     with set_current_trace(trace):
         out = fn(*new_args, **kwargs)
@@ -539,48 +799,67 @@ def call_with_children(trace: ImplicitTrace, fn: Callable, *args: Any, **kwargs:
 def _shape_dtype(x: Any) -> tuple[tuple[int, ...], Any]:
     if isinstance(x, ImplicitBase):
         return tuple(x.shape), np.dtype(x.dtype)
-    aval = typeof(x)
+    aval = _key_aval(x)
     return tuple(aval.shape), aval.dtype
 
 
-def _expected_avals(primitive: Primitive, in_avals: tuple, params: dict) -> list:
-    expected, _ = primitive.abstract_eval(*in_avals, **params)
-    return list(expected) if primitive.multiple_results else [expected]
+def _key_aval(x: Any) -> Any:
+    """`typeof(x)`, up to its sharding (cheaper for arrays, tracers, implicit arrays)."""
+    if type(x) is ArrayImpl or isinstance(x, (ImplicitBase, Tracer)):
+        return x.aval
+    return typeof(x)
 
 
-@functools.lru_cache(maxsize=4096)
-def _expected_avals_cached(
-    primitive: Primitive, in_avals: tuple, param_items: tuple, x64: bool
-) -> list:
-    return _expected_avals(primitive, in_avals, dict(param_items))
+def _expected_shapes(primitive: Primitive, vals: list, params: dict) -> list | None:
+    """The (shape, dtype) of each result of `primitive`, by its abstract rule.
+
+    None when the primitive has no abstract rule for these operands (nothing to check).
+    """
+    in_avals = [v.aval if isinstance(v, ImplicitBase) else typeof(v) for v in vals]
+    try:
+        expected, _ = primitive.abstract_eval(*in_avals, **params)
+    except Exception:  # noqa: BLE001 (no abstract rule: nothing to check against)
+        return None
+    expected = list(expected) if primitive.multiple_results else [expected]
+    return [(tuple(e.shape), e.dtype, e.str_short()) for e in expected]
+
+
+# Shape rules are pure: their answers are cached per (primitive, operand avals, params),
+# which saves most of the cost of the check below, eagerly and while tracing (see
+# benchmarks/). Shardings are left out of the key: they do not change shapes or dtypes.
+_expected_cache: dict[tuple, list | None] = {}
+_EXPECTED_CACHE_LIMIT = 8192
 
 
 def _check_result(handler, primitive, vals, params, out) -> None:
     """Report a handler result whose shape or dtype differs from the primitive's."""
     try:
-        in_avals = tuple(
-            v.aval if isinstance(v, ImplicitBase) else typeof(v) for v in vals
+        key = (
+            primitive,
+            tuple(map(_key_aval, vals)),
+            tuple(params.items()),
+            jax.config.jax_enable_x64,
         )
-        try:
-            # Shape rules are pure: cache them per (primitive, avals, params), which
-            # saves most of the cost of this check while tracing (see benchmarks/).
-            expected = _expected_avals_cached(
-                primitive, in_avals, tuple(params.items()), jax.config.jax_enable_x64
-            )
-        except TypeError:  # unhashable params
-            expected = _expected_avals(primitive, in_avals, params)
-    except Exception:  # noqa: BLE001 (no abstract rule: nothing to check against)
+        expected = _expected_cache[key]
+    except TypeError:  # unhashable params
+        expected = _expected_shapes(primitive, vals, params)
+    except KeyError:
+        expected = _expected_shapes(primitive, vals, params)
+        if len(_expected_cache) >= _EXPECTED_CACHE_LIMIT:
+            _expected_cache.clear()
+        _expected_cache[key] = expected
+    if expected is None:
         return
     outs = list(out) if primitive.multiple_results else [out]
     problem = len(outs) != len(expected)
     found = []
-    for o, e in zip(outs, expected):
+    for o, (shape_e, dtype_e, _) in zip(outs, expected):
         try:
             shape, dtype = _shape_dtype(o)
         except TypeError:
             problem, shape, dtype = True, None, type(o).__name__
         found.append((shape, dtype))
-        if shape != tuple(e.shape) or dtype != e.dtype:
+        if shape != shape_e or dtype != dtype_e:
             problem = True
     if problem:
         got = [f"{d}{list(s) if s is not None else ''}" for s, d in found]
@@ -589,7 +868,7 @@ def _check_result(handler, primitive, vals, params, out) -> None:
                 handler=_dispatch.describe_handler(handler),
                 primitive=primitive.name,
                 got=", ".join(got),
-                expected=", ".join(e.str_short() for e in expected),
+                expected=", ".join(e[2] for e in expected),
             )
         )
 
