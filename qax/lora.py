@@ -127,6 +127,18 @@ class LoraWeight(qax.ImplicitArray):
     alpha: float | None = qax.aux_field(default=None)
     freeze_w: bool = qax.aux_field(default=True)
 
+    def __new__(cls, w: Any = None, a: Any = None, b: Any = None, *args, **kwargs):
+        # Batch axes are declared per field (`qax.array_field(ndim=...)`), and the
+        # ranks of w, a and b depend on the weight: each combination gets its own
+        # subclass, chosen here from the leaves. Leading axes shared by all three
+        # fields beyond those ranks are batch axes (a stack of LoRA weights).
+        if "_qax_lora_ranks" not in cls.__dict__ and None not in (w, a, b):
+            ndims = (len(jnp.shape(w)), len(jnp.shape(a)), len(jnp.shape(b)))
+            nb = _batch_ndim(*ndims)
+            if nb >= 0:
+                cls = _ranked(tuple(n - nb for n in ndims))
+        return object.__new__(cls)
+
     def __post_init__(self) -> None:
         w, a, b = _shape(self.w), _shape(self.a), _shape(self.b)
         nb = _batch_ndim(len(w), len(a), len(b))
@@ -179,6 +191,25 @@ class LoraWeight(qax.ImplicitArray):
 
     def materialize(self) -> jax.Array:
         return self.base() + self.delta()
+
+
+_RANKED: dict[tuple[int, int, int], type] = {}
+
+
+def _ranked(ranks: tuple[int, int, int]) -> type:
+    """The `LoraWeight` subclass whose fields declare the ranks ``(w, a, b)``."""
+    cls = _RANKED.get(ranks)
+    if cls is None:
+        namespace = {
+            "__module__": __name__,
+            "__qualname__": LoraWeight.__qualname__,
+            "__annotations__": {n: "qax.ArrayValue" for n in ("w", "a", "b")},
+            "_qax_lora_ranks": ranks,
+        }
+        for name, ndim in zip(("w", "a", "b"), ranks, strict=True):
+            namespace[name] = qax.array_field(ndim=ndim)
+        cls = _RANKED[ranks] = type(LoraWeight.__name__, (LoraWeight,), namespace)
+    return cls
 
 
 @jax.tree_util.register_dataclass
@@ -273,7 +304,8 @@ def _lora_product(x, lora, dimension_numbers, lora_is_rhs, params):
         [k for k in batch if k in l1],
         **inner,
     )
-    t = t * jnp.asarray(lora.scale, t.dtype)
+    if lora.scale != 1:
+        t = t * jnp.asarray(lora.scale, t.dtype)
     out, out_labels = _labelled_dot(
         t,
         t_labels,
@@ -293,6 +325,8 @@ def _lora_product(x, lora, dimension_numbers, lora_is_rhs, params):
 
 
 def _dot(primitive, x, lora, dimension_numbers, lora_is_rhs, params):
+    if not _unbatched(lora):
+        return NotImplemented  # a stack outside vmap/scan: materialized per element
     operands = (x, lora.base()) if lora_is_rhs else (lora.base(), x)
     main = primitive.bind(*operands, dimension_numbers=dimension_numbers, **params)
     delta = _lora_product(x, lora, dimension_numbers, lora_is_rhs, params)
@@ -349,7 +383,8 @@ def _conv_x_lora(
     if f_in.dtype != x.dtype:
         f_in = f_in.astype(x.dtype)
     t = primitive.bind(x, f_in, **conv)
-    t = t * jnp.asarray(w.scale, t.dtype)
+    if w.scale != 1:
+        t = t * jnp.asarray(w.scale, t.dtype)
     feature = out_spec[1]
     delta = lax.dot_general(
         t, f_out.astype(t.dtype), (((feature,), (0,)), ((), ())),
@@ -404,7 +439,8 @@ def _gather_rows(
         slice_sizes=(*slice_sizes[:p], w.rank),
         **params,
     )
-    rows = rows * jnp.asarray(w.scale, rows.dtype)
+    if w.scale != 1:
+        rows = rows * jnp.asarray(w.scale, rows.dtype)
     delta = lax.dot_general(rows, b, (((rows.ndim - 1,), (0,)), ((), ())))
     return main + delta.astype(main.dtype)
 
@@ -632,6 +668,7 @@ def loraify(
     a_ndim: int | Callable[[str, Any], int] | None = None,
     freeze_w: bool = True,
     dtype: Any = None,
+    batch_ndim: int = 0,
 ) -> Any:
     """Turn chosen weights of any params pytree into `LoraWeight`s.
 
@@ -659,6 +696,10 @@ def loraify(
         weights.
       freeze_w: passed to every `LoraWeight`.
       dtype: the dtype of the new factors (default: the weight's).
+      batch_ndim: leading axes of every chosen weight that stack independent weights
+        (layers stacked for `lax.scan`): each layer gets its own factors, ``a`` of
+        shape ``(L, *A, rank)`` and ``b`` ``(L, rank, *B)``, and `lax.scan` over the
+        stack slices the `LoraWeight` without forming it.
 
     Returns:
       ``params`` with the chosen weights replaced by `LoraWeight`s.
@@ -674,23 +715,24 @@ def loraify(
         name = path_string(path)
         if _is_lora(leaf) or not choose(name, leaf):
             return leaf
-        shape = tuple(leaf.shape)
+        if len(leaf.shape) - batch_ndim < 2:
+            return leaf
+        lead, shape = tuple(leaf.shape[:batch_ndim]), tuple(leaf.shape[batch_ndim:])
         p = a_ndim(name, leaf) if callable(a_ndim) else a_ndim
         p = len(shape) - 1 if p is None else int(p)
         if not 1 <= p <= len(shape) - 1:
             raise ValueError(
                 _BAD_A_NDIM.format(
-                    a_ndim=p, path=name, shape=shape, most=len(shape) - 1
+                    a_ndim=p, path=name, shape=leaf.shape, most=len(shape) - 1
                 )
             )
         factor_dtype = dtype or leaf.dtype
         k = jax.random.fold_in(key, zlib.crc32(name.encode()) % (2**31))
         fan_in = math.prod(shape[:p])
-        a = jax.random.normal(k, (*shape[:p], rank), factor_dtype) / np.sqrt(fan_in)
-        b = jnp.zeros((rank, *shape[p:]), factor_dtype)
-        return LoraWeight(
-            leaf, a.astype(factor_dtype), b, alpha=alpha, freeze_w=freeze_w
-        )
+        a = jax.random.normal(k, (*lead, *shape[:p], rank), jnp.float32)
+        a = (a / np.sqrt(fan_in)).astype(factor_dtype)
+        b = jnp.zeros((*lead, rank, *shape[p:]), factor_dtype)
+        return LoraWeight(leaf, a, b, alpha=alpha, freeze_w=freeze_w)
 
     return qax.utils.tree_map_with_path_with_implicit(convert, params)
 

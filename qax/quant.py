@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 from statistics import NormalDist
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -106,12 +106,48 @@ def _blocks(x: jax.Array, size: int) -> jax.Array:
 class QuantizedWeight(qax.ImplicitArray):
     """Base of the quantized types: `dequantize` decodes; the handlers are shared.
 
-    Subclasses define `dequantize()` (the dense weight, in ``dtype``) and
-    `from_array()`; ``dtype`` is the dtype of the scales.
+    Subclasses define `_decode(**fields)` (the dense weight from the array fields, in
+    ``dtype``) and `from_array()`; ``dtype`` is the dtype of the scales. Every array
+    field has the weight's rank (declared with `qax.array_field`, one subclass per
+    rank), so a stack of quantized weights (scanned layers: ``from_array(w,
+    batch_ndim=1)``) is sliced by `lax.scan` and `vmap` without being decoded.
     """
+
+    _ARRAYS: ClassVar[tuple[str, ...]] = ()
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        if "_qax_rank" not in cls.__dict__:
+            first = args[0] if args else kwargs.get(cls._ARRAYS[0])
+            if first is not None:
+                cls = cls._ranked(len(jnp.shape(first)))
+        return object.__new__(cls)
+
+    @classmethod
+    def _ranked(cls, rank: int) -> type:
+        """The subclass of `cls` whose array fields declare `rank` dimensions."""
+        base = next(k for k in cls.__mro__ if "_qax_rank" not in k.__dict__)
+        cache = base.__dict__.get("_qax_ranked")
+        if cache is None:
+            cache = {}
+            type.__setattr__(base, "_qax_ranked", cache)
+        ranked = cache.get(rank)
+        if ranked is None:
+            namespace = {
+                "__module__": base.__module__,
+                "__qualname__": base.__qualname__,
+                "__annotations__": {n: "qax.ArrayValue" for n in base._ARRAYS},
+                "_qax_rank": rank,
+            }
+            for name in base._ARRAYS:
+                namespace[name] = qax.array_field(ndim=rank)
+            ranked = cache[rank] = type(base.__name__, (base,), namespace)
+        return ranked
 
     def dequantize(self) -> jax.Array:
         """The dense weight the codes stand for (differentiable in the scales)."""
+        return self._decode(**{n: getattr(self, n) for n in self._ARRAYS})
+
+    def _decode(self, **arrays: Any) -> jax.Array:
         raise NotImplementedError
 
     def materialize(self) -> jax.Array:
@@ -146,6 +182,8 @@ class Int8Weight(QuantizedWeight):
     q: qax.ArrayValue
     scale: qax.ArrayValue
 
+    _ARRAYS = ("q", "scale")
+
     def compute_shape(self) -> tuple[int, ...]:
         return tuple(self.q.shape)
 
@@ -153,26 +191,30 @@ class Int8Weight(QuantizedWeight):
         return self.scale.dtype
 
     @classmethod
-    def from_array(cls, w: jax.Array, axis: int = -1) -> Int8Weight:
+    def from_array(
+        cls, w: jax.Array, axis: int = -1, batch_ndim: int = 0
+    ) -> Int8Weight:
         """Quantize ``w`` with one scale per index of ``axis`` (absmax / 127).
 
         Args:
           w: a floating-point weight.
           axis: the output-channel axis (default: the last one).
+          batch_ndim: leading axes that stack independent weights (scanned layers);
+            each gets its own scales.
 
         Returns:
           The quantized weight.
         """
         w = jnp.asarray(w)
         axis = axis % w.ndim
-        others = tuple(i for i in range(w.ndim) if i != axis)
+        others = tuple(i for i in range(batch_ndim, w.ndim) if i != axis)
         absmax = jnp.max(jnp.abs(w), axis=others, keepdims=True)
         scale = jnp.where(absmax > 0, absmax / 127, 1).astype(w.dtype)
         q = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
-        return cls(q, scale)
+        return cls._ranked(w.ndim - batch_ndim)(q, scale)
 
-    def dequantize(self) -> jax.Array:
-        return self.q.astype(self.dtype) * self.scale
+    def _decode(self, q: Any, scale: Any) -> jax.Array:
+        return q.astype(self.dtype) * scale
 
 
 class Int4Weight(QuantizedWeight):
@@ -194,6 +236,8 @@ class Int4Weight(QuantizedWeight):
     scale: qax.ArrayValue
     group_size: int = qax.aux_field(default=64)
 
+    _ARRAYS = ("packed", "scale")
+
     def compute_shape(self) -> tuple[int, ...]:
         return (*self.packed.shape[:-1], 2 * self.packed.shape[-1])
 
@@ -201,8 +245,12 @@ class Int4Weight(QuantizedWeight):
         return self.scale.dtype
 
     @classmethod
-    def from_array(cls, w: jax.Array, group_size: int = 64) -> Int4Weight:
+    def from_array(
+        cls, w: jax.Array, group_size: int = 64, batch_ndim: int = 0
+    ) -> Int4Weight:
         """Quantize ``w`` group-wise along its last axis (absmax / 7 per group).
+
+        ``batch_ndim`` leading axes stack independent weights (scanned layers).
 
         Raises:
           ValueError: the last axis is not a multiple of ``group_size``, or odd.
@@ -214,12 +262,13 @@ class Int4Weight(QuantizedWeight):
         scale = jnp.where(absmax > 0, absmax / 7, 1).astype(w.dtype)
         q = jnp.clip(jnp.round(groups / scale[..., None]), -8, 7).astype(jnp.int32)
         codes = (q + 8).reshape(w.shape)
-        return cls(_pack(codes), scale, group_size=group_size)
+        ranked = cls._ranked(w.ndim - batch_ndim)
+        return ranked(_pack(codes), scale, group_size=group_size)
 
-    def dequantize(self) -> jax.Array:
-        values = _unpack(self.packed).astype(jnp.int32) - 8
+    def _decode(self, packed: Any, scale: Any) -> jax.Array:
+        values = _unpack(packed).astype(jnp.int32) - 8
         groups = _blocks(values.astype(self.dtype), self.group_size)
-        return (groups * self.scale[..., None]).reshape(self.shape)
+        return (groups * scale[..., None]).reshape(values.shape)
 
 
 class NF4Weight(QuantizedWeight):
@@ -241,6 +290,8 @@ class NF4Weight(QuantizedWeight):
     absmax: qax.ArrayValue
     block_size: int = qax.aux_field(default=64)
 
+    _ARRAYS = ("packed", "absmax")
+
     def compute_shape(self) -> tuple[int, ...]:
         return (*self.packed.shape[:-1], 2 * self.packed.shape[-1])
 
@@ -251,8 +302,12 @@ class NF4Weight(QuantizedWeight):
         return "absmax"
 
     @classmethod
-    def from_array(cls, w: jax.Array, block_size: int = 64) -> NF4Weight:
+    def from_array(
+        cls, w: jax.Array, block_size: int = 64, batch_ndim: int = 0
+    ) -> NF4Weight:
         """Quantize ``w`` block-wise along its last axis to the nearest NF4 level.
+
+        ``batch_ndim`` leading axes stack independent weights (scanned layers).
 
         Raises:
           ValueError: the last axis is not a multiple of ``block_size``, or odd.
@@ -265,12 +320,13 @@ class NF4Weight(QuantizedWeight):
         normalized = (blocks / safe[..., None]).astype(jnp.float32)
         midpoints = (NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2
         codes = jnp.searchsorted(jnp.asarray(midpoints), normalized).reshape(w.shape)
-        return cls(_pack(codes), safe, block_size=block_size)
+        ranked = cls._ranked(w.ndim - batch_ndim)
+        return ranked(_pack(codes), safe, block_size=block_size)
 
-    def dequantize(self) -> jax.Array:
-        levels = jnp.asarray(NF4_LEVELS, self.dtype)[_unpack(self.packed)]
-        blocks = _blocks(levels, self.block_size) * self.absmax[..., None]
-        return blocks.reshape(self.shape)
+    def _decode(self, packed: Any, absmax: Any) -> jax.Array:
+        levels = jnp.asarray(NF4_LEVELS, self.dtype)[_unpack(packed)]
+        blocks = _blocks(levels, self.block_size) * absmax[..., None]
+        return blocks.reshape(levels.shape)
 
 
 def _check_last_axis(cls: type, shape: tuple, what: str, size: int) -> None:
@@ -350,8 +406,7 @@ def _gather_rows(
             return primitive.bind(
                 _decoded(w), indices, dimension_numbers=dn, slice_sizes=sizes, **params
             )
-    rows = dataclasses.replace(w, shape=None, dtype=None, **changes)
-    return _decoded(rows)
+    return w._decode(**{n: changes.get(n, getattr(w, n)) for n in w._ARRAYS})
 
 
 @qax.primitive_handler("convert_element_type")
@@ -386,6 +441,8 @@ def _transpose(primitive, w: QuantizedWeight, *, permutation) -> jax.Array:
 @qax.primitive_handler("transpose")
 def _transpose_int8(primitive, w: Int8Weight, *, permutation) -> Int8Weight:
     """Per-channel int8 transposes exactly: codes and (broadcastable) scales."""
+    if w.q.ndim != w.ndim:
+        return primitive.bind(_decoded(w), permutation=permutation)
     return Int8Weight(
         lax.transpose(w.q, permutation), lax.transpose(w.scale, permutation)
     )
