@@ -25,7 +25,7 @@ import jaxlib
 import numpy as np
 import plum
 
-from . import _dispatch, _errors
+from . import _dispatch, _errors, _mutable
 from ._base import (
     ImplicitBase,
     check_declared_avals,
@@ -503,13 +503,18 @@ def _check_result(handler, primitive, vals, params, out) -> None:
 # Entry points
 
 
-def _run(trace: ImplicitTrace, f: Callable, leaves: list, treedef):
+def _run(trace: ImplicitTrace, f: Callable, leaves: list, treedef, original: Any):
     in_tracers = [trace.wrap(x) for x in leaves]
-    args, kwargs = jax.tree_util.tree_unflatten(treedef, in_tracers)
-    del in_tracers
     with set_current_trace(trace):
+        # Rebuilt under the trace: objects that record the trace they were made in
+        # (Flax NNX `Variable`s) may then be updated inside `f`, e.g. by `nnx.jit`.
+        args, kwargs = jax.tree_util.tree_unflatten(treedef, in_tracers)
+        del in_tracers
+        variables = _mutable.capture(original, (args, kwargs))
         out = f(*args, **kwargs)
     del args, kwargs
+    if variables:
+        _mutable.write_back(variables, trace.to_value)
     return jax.tree_util.tree_map(trace.to_value, out)
 
 
@@ -544,7 +549,7 @@ def use_implicit_args(f: Callable) -> Callable:
         trace = reused or ImplicitTrace(parent, TraceTag())
         token = check_declared_avals.set(False)
         try:
-            out = _run(trace, f, leaves, treedef)
+            out = _run(trace, f, leaves, treedef, (args, kwargs))
         finally:
             check_declared_avals.reset(token)
             if reused is not None:
