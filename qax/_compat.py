@@ -202,3 +202,18 @@ def merge_common_consts(jaxprs, all_consts):
     and the de-duplicated constants: what `lax.cond` itself does before binding.
     """
     return _merge_common_consts(jaxprs, all_consts)
+
+
+def forget_export_serialization(nodetype: type, serialized_name: str) -> None:
+    """Drop `jax.export`'s serialization entries for `nodetype` and `serialized_name`.
+
+    `jax.export.register_pytree_node_serialization` refuses a second registration; a
+    class defined again under the same name (a re-run notebook cell) replaces the old
+    one instead.
+    """
+    from jax._src.export import _export
+
+    entry = _export.deserialization_registry.pop(serialized_name, None)
+    if entry is not None:
+        _export.serialization_registry.pop(entry[0], None)
+    _export.serialization_registry.pop(nodetype, None)
