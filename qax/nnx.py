@@ -42,6 +42,7 @@ except ImportError as e:  # pragma: no cover (flax is in the test extra)
     ) from e
 
 from ._base import ImplicitBase
+from ._interpreter import ImplicitTracer
 
 __all__ = ["Optimizer", "holds"]
 
@@ -75,9 +76,12 @@ def holds(*types: type) -> Any:
 
     def holds_implicit(path: tuple, value: Any) -> bool:
         del path
-        return isinstance(value, nnx.Variable) and isinstance(
-            value.get_raw_value(), wanted
-        )
+        if not isinstance(value, nnx.Variable):
+            return False
+        raw = value.get_raw_value()
+        if isinstance(raw, ImplicitTracer):  # inside `qax.use_implicit_args`
+            raw = raw.value
+        return isinstance(raw, wanted)
 
     names = ", ".join(t.__name__ for t in types) or "any implicit array"
     holds_implicit.__qualname__ = holds_implicit.__name__ = f"holds({names})"
@@ -86,6 +90,31 @@ def holds(*types: type) -> Any:
 
 def _is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
+
+
+_UPDATE_INSIDE_WRAPPER = (
+    "qax.nnx.Optimizer.update was called inside `qax.use_implicit_args`, where the "
+    "parameter {path} is a tracer of a {cls}, not the {cls} itself: the optimizer's "
+    "arithmetic would run on the represented dense array. Wrap only the model call "
+    "with `qax.use_implicit_args` (inside the loss) and keep `nnx.grad` and "
+    "`optimizer.update` outside it:\n"
+    "    def loss_fn(model, x, y):\n"
+    "        return loss(qax.use_implicit_args(lambda m, x: m(x))(model, x), y)\n"
+    "    @nnx.jit\n"
+    "    def train_step(model, optimizer, x, y):\n"
+    "        grads = nnx.grad(loss_fn)(model, x, y)\n"
+    "        optimizer.update(model, grads)"
+)
+
+
+def _check_outside_wrapper(params: Any) -> None:
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        if isinstance(leaf, ImplicitTracer):
+            raise RuntimeError(
+                _UPDATE_INSIDE_WRAPPER.format(
+                    path=jax.tree_util.keystr(path), cls=type(leaf.value).__name__
+                )
+            )
 
 
 class Optimizer(nnx.Optimizer):
@@ -117,8 +146,13 @@ class Optimizer(nnx.Optimizer):
 
         Returns:
           The updates applied to the parameters.
+
+        Raises:
+          RuntimeError: called inside `qax.use_implicit_args` (the message shows the
+            order that works).
         """
         params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
+        _check_outside_wrapper(params)
         grads = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
         state = nnx.as_pure(self.opt_state)
         updates, new_state = self.tx.update(grads, state, params, **nnx.as_pure(kwargs))
