@@ -8,6 +8,7 @@ from . import utils as utils
 from ._audit import materialization_audit as materialization_audit
 from ._audit import materialization_policy as materialization_policy
 from ._base import ImplicitBase as ImplicitBase
+from ._batching import array_field as array_field
 from ._dispatch import ArrayValue as ArrayValue
 from ._dispatch import default_handler as default_handler
 from ._dispatch import primitive_handler as primitive_handler
@@ -34,6 +35,7 @@ __all__ = [
     "MaterializationError",
     "MaterializationWarning",
     "UninitializedAval",
+    "array_field",
     "aux_field",
     "constants",
     "default_handler",

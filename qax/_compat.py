@@ -16,6 +16,7 @@ from jax._src import dtypes as _dtypes
 from jax._src import linear_util as _lu
 from jax._src import source_info_util as _source_info
 from jax._src.interpreters import ad as _ad
+from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax.control_flow.common import _merge_common_consts
 from jax._src.shard_map import shard_map_p as shard_map_p
@@ -202,6 +203,17 @@ def merge_common_consts(jaxprs, all_consts):
     and the de-duplicated constants: what `lax.cond` itself does before binding.
     """
     return _merge_common_consts(jaxprs, all_consts)
+
+
+def register_vmappable(cls: type, to_elt, from_elt) -> None:
+    """Make `jax.vmap` treat instances of `cls` as one value, batched by these rules.
+
+    `to_elt(cont, get_idx, x, axis)` gives the per-example value of `x` mapped along
+    `axis` (`cont(y, axis)` maps a part `y` of it); `from_elt(cont, axis_size, x, axis)`
+    gives the batched value of a per-example output (`cont(axis_size, y, axis)` stacks a
+    part). `jax.vmap` flattens its arguments and results with these types as leaves.
+    """
+    _batching.register_vmappable(cls, int, int, to_elt, from_elt, None)
 
 
 def forget_export_serialization(nodetype: type, serialized_name: str) -> None:

@@ -34,6 +34,15 @@ import numpy as np
 
 from . import _dispatch
 from ._base import ImplicitBase, quiet_materialization
+from ._batching import (
+    fields_of,
+    rebuild,
+    slice_template,
+    sliceable,
+    stack_like,
+    stackable,
+    undeclared_reason,
+)
 from ._compat import (
     UNSPECIFIED,
     ClosedJaxpr,
@@ -487,11 +496,6 @@ _CARRY_REASON = (
     "returns {after}; implicit arrays in a carry must keep their structure across "
     "iterations, so this {cls} is materialized {where}."
 )
-_XS_REASON = (
-    "`lax.scan` slices `xs` along its leading axis, but this {cls} has a leaf of shape "
-    "{leaf_shape} whose leading dimension is not the scanned length {length}, so it "
-    "is materialized before the loop."
-)
 _PREDICATE_REASON = (
     "The predicate of a `lax.while_loop` must be a plain boolean, but its `cond_fun` "
     "returned an implicit {cls}, which is materialized."
@@ -603,7 +607,9 @@ def _carry_changes(carry: list, traced: TracedBody) -> tuple[frozenset, dict, se
     return paths, {}, weak_init, weak_body
 
 
-def _plan_loop(trace, body, consts, init, xs, slice_xs, loop) -> tuple[_LoopPlan, list]:
+def _plan_loop(
+    trace, body, consts, init, xs, slice_xs, loop, fix_ys=None
+) -> tuple[_LoopPlan, list]:
     """Find the carry structure that the loop body preserves, and stage the body.
 
     The body is traced with the carry's structure. If the carry it returns has another
@@ -631,7 +637,7 @@ def _plan_loop(trace, body, consts, init, xs, slice_xs, loop) -> tuple[_LoopPlan
                 in_vals,
                 loop,
                 in_avals=in_avals,
-                fix_outs=_carry_fix(plan, len(init), loop),
+                fix_outs=_then(_carry_fix(plan, len(init), loop), fix_ys),
             )
         if first_events is None:
             first_events = traced.events
@@ -652,7 +658,15 @@ def _plan_loop(trace, body, consts, init, xs, slice_xs, loop) -> tuple[_LoopPlan
     return plan, carry
 
 
-def _loop(trace, anchor, extra_key, body, consts, init, xs, slice_xs, loop):
+def _then(first: Callable | None, second: Callable | None) -> Callable | None:
+    if first is None or second is None:
+        return first or second
+    return lambda outs: second(first(outs))
+
+
+def _loop(
+    trace, anchor, extra_key, body, consts, init, xs, slice_xs, loop, fix_ys=None
+):
     """`_plan_loop`, cached: a cached plan is applied to the initial carry again."""
     key, _ = _signature([*consts, *init, *xs], len(consts), len(init), *extra_key)
     plan = _cached(anchor, key)
@@ -660,23 +674,33 @@ def _loop(trace, anchor, extra_key, body, consts, init, xs, slice_xs, loop):
         carry = _prepare_carry(trace, init, plan, loop)
         replay(plan.traced.events)
         return plan, carry
-    plan, carry = _plan_loop(trace, body, consts, init, xs, slice_xs, loop)
+    plan, carry = _plan_loop(trace, body, consts, init, xs, slice_xs, loop, fix_ys)
     _store(anchor, key, plan, [plan.traced])
     return plan, carry
 
 
-def _scannable(trace, x: Any, length: int) -> Any:
-    """`x`, materialized if it is implicit and not every leaf is stacked along axis 0."""
-    if not isinstance(x, ImplicitBase):
+def _scannable(trace, x: Any) -> Any:
+    """`x`, materialized if it is implicit and cannot be sliced along axis 0 leaf by leaf
+    (its type does not declare batch axes, or axis 0 is not one of them)."""
+    if not isinstance(x, ImplicitBase) or sliceable(x, 0):
         return x
-    for leaf in jax.tree_util.tree_leaves(x):
-        shape = np.shape(leaf)
-        if not shape or shape[0] != length:
-            reason = _XS_REASON.format(
-                cls=type(x).__name__, leaf_shape=shape, length=length
-            )
-            return _densify_parent(trace, x, "scan", reason)
-    return x
+    reason = undeclared_reason("lax.scan", "slices", x, 0)
+    return _densify_parent(trace, x, "scan", reason)
+
+
+def _stackable_ys(n_carry: int, loop: str) -> Callable[[list], list]:
+    """Materialize (inside the body) the implicit `ys` that cannot be stacked leaf by leaf."""
+
+    def fix(outs):
+        ys = []
+        for y in outs[n_carry:]:
+            if isinstance(y, ImplicitBase) and not stackable(y):
+                reason = undeclared_reason(loop, "stacks its outputs of type", y, 0)
+                y = _densify(y, "scan", reason)
+            ys.append(y)
+        return [*outs[:n_carry], *ys]
+
+    return fix
 
 
 def _scan_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list:
@@ -687,14 +711,26 @@ def _scan_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> lis
     )
     consts = vals[:n_consts]
     init = vals[n_consts : n_consts + n_carry]
-    xs = [_scannable(trace, x, length) for x in vals[n_consts + n_carry :]]
+    xs = [_scannable(trace, x) for x in vals[n_consts + n_carry :]]
+    # The body sees one row of each `xs`: implicit ones are unflattened from their
+    # sliced leaves with the shape of a row.
+    rows = [slice_template(x) if isinstance(x, ImplicitBase) else x for x in xs]
     closed = params["jaxpr"]
 
     def slice_xs(leaves):
         return [mapped_aval(length, 0, typeof(x)) for x in leaves]
 
     plan, carry = _loop(
-        trace, closed, (), _jaxpr_body(closed), consts, init, xs, slice_xs, "lax.scan"
+        trace,
+        closed,
+        (),
+        _jaxpr_body(closed),
+        consts,
+        init,
+        rows,
+        slice_xs,
+        "lax.scan",
+        _stackable_ys(n_carry, "lax.scan"),
     )
     jaxpr, hoisted = _hoisted(plan.traced)
     flat_consts, flat_carry = _leaves(consts), _leaves(carry)
@@ -706,7 +742,14 @@ def _scan_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> lis
     )
     operands = [*hoisted, *flat_consts, *flat_carry, *_leaves(xs)]
     outs = bind_with_trace(trace.parent_trace, primitive, operands, new_params)
-    return jax.tree_util.tree_unflatten(plan.traced.out_tree, outs)
+    skeleton = plan.traced.out_skeleton()
+    carry_skeleton, ys_skeleton = skeleton[:n_carry], skeleton[n_carry:]
+    n_carry_leaves = len(_leaves(carry_skeleton))
+    final = jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(carry_skeleton), outs[:n_carry_leaves]
+    )
+    ys = stack_like(ys_skeleton, list(outs[n_carry_leaves:]), length)
+    return [*final, *ys]
 
 
 def _while_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list:
@@ -1133,14 +1176,61 @@ def _fit_spec(value: Any, spec: Any) -> Any:
     return value
 
 
+def _spec_sizes(spec: Any, mesh: Any) -> list[int]:
+    """How many shards each dimension is split into by `spec` on `mesh`."""
+    sizes = []
+    for axes in spec:
+        n = 1
+        for name in (axes,) if isinstance(axes, str) else axes or ():
+            n *= mesh.shape[name]
+        sizes.append(n)
+    return sizes
+
+
+def _reshard(x: Any, spec: Any, mesh: Any, local: bool) -> Any:
+    """`x` with the shape one shard sees (`local`), or the global shape again.
+
+    Shard-map splits the leaves; the shapes that implicit arrays keep as metadata
+    (theirs, and those of implicit children laid out like them) are split here.
+    """
+    if not isinstance(x, ImplicitBase):
+        return x
+    sizes = _spec_sizes(spec, mesh)
+    if len(sizes) > len(x.shape):
+        return x
+    shape = [
+        d // n if local else d * n
+        for d, n in zip(x.shape, sizes + [1] * (len(x.shape) - len(sizes)))
+    ]
+    children = {}
+    for name in fields_of(type(x)).children:
+        child = x.__dict__[name]
+        if isinstance(child, ImplicitBase) and _spec_fits(spec, x, _Shape(child)):
+            children[name] = _reshard(child, spec, mesh, local)
+    return rebuild(x, children, tuple(shape), x.__dict__.get("_qax_nb", 0))
+
+
+class _Shape:
+    """Something with a `shape`, for `_spec_fits` (global, as the spec is)."""
+
+    def __init__(self, x: ImplicitBase):
+        self.shape = tuple(x.shape)
+
+
 def _shard_map_rule(trace, primitive, fun, vals, params):
     if not _has_implicit(vals):
         with set_current_trace(trace.parent_trace):
             return primitive.bind(*vals, subfuns=(fun,), **params)
+    mesh = params["mesh"]
     with set_current_trace(trace.parent_trace):
         vals = [_fit_spec(v, s) for v, s in zip(vals, params["in_specs"], strict=True)]
-    in_tree, info = jax.tree_util.tree_structure(vals), _Outputs()
+    local_vals = [
+        _reshard(v, s, mesh, True)
+        for v, s in zip(vals, params["in_specs"], strict=True)
+    ]
+    in_tree, info = jax.tree_util.tree_structure(local_vals), _Outputs()
     template = []
+    specs_out = []
 
     def body(*leaves):
         sub, wrapped = _enter(trace.tag, jax.tree_util.tree_unflatten(in_tree, leaves))
@@ -1151,6 +1241,7 @@ def _shard_map_rule(trace, primitive, fun, vals, params):
         outs = [_fit_spec(v, s) for v, s in zip(outs, out_specs, strict=True)]
         info.decide(outs)
         template[:] = [ans.update([None] * len(outs))]
+        specs_out[:] = list(out_specs)
         leaf_specs = _per_leaf(outs, out_specs, lambda spec, _v, _leaf: spec)
         return FlatTree.flatten(tuple(_leaves(outs))).with_aux(leaf_specs)
 
@@ -1162,6 +1253,7 @@ def _shard_map_rule(trace, primitive, fun, vals, params):
     with set_current_trace(trace.parent_trace):
         out = primitive.bind(*_leaves(vals), subfuns=(body,), **new_params)
     outs = jax.tree_util.tree_unflatten(info.tree, list(out.vals))
+    outs = [_reshard(o, s, mesh, False) for o, s in zip(outs, specs_out, strict=True)]
     return template[0].update([trace.wrap(o) for o in outs])
 
 

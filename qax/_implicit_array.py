@@ -15,11 +15,20 @@ import numpy as np
 
 from . import _integrations
 from ._base import ImplicitBase, check_declared_avals, quiet_materialization
+from ._batching import (
+    AUX,
+    NB,
+    NO_ARRAYS,
+    batch_shape_of,
+    check_batch,
+    fields_of,
+    per_element,
+    register_batching,
+)
 from ._compat import (
     ShapedArray,
     Tracer,
     current_trace,
-    eval_context,
     is_eval_trace,
     varying_aval,
     varying_axes,
@@ -27,9 +36,6 @@ from ._compat import (
 from ._errors import UninitializedAval
 from ._interpreter import _implicit_children, enter_current_trace, use_implicit_args
 
-_AUX = "qax_aux"
-# Name of the hidden pytree child that carries shape and dtype (see `_witness`).
-WITNESS = "_qax_aval"
 # Instance attribute caching `aval` (keyed by shape and dtype, in case they are reassigned).
 _AVAL_CACHE = "_qax_aval_cache"
 
@@ -46,78 +52,77 @@ def aux_field(metadata: dict | None = None, **kwargs: Any) -> Any:
     ...     scale: float = qax.aux_field(default=2.0)
     """
     metadata = dict(metadata) if metadata else {}
-    metadata[_AUX] = True
+    metadata[AUX] = True
     return dataclasses.field(metadata=metadata, **kwargs)
 
 
-@functools.lru_cache(maxsize=4096)
-def _witness(shape: tuple[int, ...], dtype: Any) -> Any:
-    """A zero-size array of shape ``(*shape, 0)`` and the represented dtype.
-
-    It rides along as a pytree child, so transformations that reshape leaves (`vmap`
-    and `scan` slicing, `tree_map(lambda x: x[0], ...)`, casting) update the implicit
-    array's shape and dtype too, even for types whose shape lives only in metadata.
-    It holds no data, so one device array per (shape, dtype) is shared by every
-    instance (a NumPy array would be copied to the device on every jitted call).
-    """
-    try:
-        host = np.empty((*shape, 0), dtype)
-    except TypeError:  # extended dtypes (PRNG keys, ...): shape stays in aux only
-        return None
-    with eval_context():
-        return jax.device_put(host)
-
-
 def _field_split(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    cached = cls.__dict__.get("_qax_fields")
-    if cached is None:
-        children, aux = [], []
-        for f in dataclasses.fields(cls):
-            if f.name in ("shape", "dtype"):
-                continue
-            (aux if f.metadata.get(_AUX) else children).append(f.name)
-        cached = (tuple(children), tuple(aux))
-        type.__setattr__(cls, "_qax_fields", cached)
-    return cached
+    fields = fields_of(cls)
+    return fields.children, fields.aux
+
+
+def _aux_data(x: ImplicitArray, aux: tuple[str, ...]) -> tuple:
+    d = x.__dict__
+    return (tuple(d[n] for n in aux), x.shape, x.dtype, d.get(NB, 0))
 
 
 def _flatten_with_keys(x: ImplicitArray):
     children, aux = _field_split(type(x))
     d = x.__dict__
     keyed = [(jax.tree_util.GetAttrKey(n), d[n]) for n in children]
-    keyed.append((jax.tree_util.GetAttrKey(WITNESS), d.get(WITNESS)))
-    return keyed, (tuple(d[n] for n in aux), x.shape, x.dtype)
+    return keyed, _aux_data(x, aux)
 
 
 def _flatten(x: ImplicitArray):
     children, aux = _field_split(type(x))
     d = x.__dict__
-    return (
-        [*(d[n] for n in children), d.get(WITNESS)],
-        (tuple(d[n] for n in aux), x.shape, x.dtype),
-    )
+    return [d[n] for n in children], _aux_data(x, aux)
 
 
 def _make_unflatten(cls: type) -> Callable:
+    fields = fields_of(cls)
+    names, aux_names = fields.children, fields.aux
+    # Only a type that declares its fields' ranks gets its batch shape from its leaves
+    # (after `vmap`, `scan` or a `tree_map` sliced or stacked them); any other keeps
+    # the shape it had when it was flattened.
+    declared = fields.declared and bool(names)
+
     def unflatten(aux_data, children):
-        names, aux_names = _field_split(cls)
         obj = object.__new__(cls)
         d = obj.__dict__
         for name, child in zip(names, children):
             d[name] = child
-        witness = children[-1]
-        d[WITNESS] = witness
-        aux_values, shape, dtype = aux_data
+        aux_values, shape, dtype, nb = aux_data
         for name, value in zip(aux_names, aux_values):
             d[name] = value
-        w_shape = getattr(witness, "shape", None)
-        w_dtype = getattr(witness, "dtype", None)
-        if w_shape is not None and w_dtype is not None and len(w_shape) >= 1:
-            shape, dtype = tuple(w_shape[:-1]), w_dtype
-        d["shape"], d["dtype"] = shape, dtype
+        if declared:
+            batch = batch_shape_of(obj)
+            if batch is NO_ARRAYS or nb is None:
+                pass  # placeholders, masks: keep the shape it was flattened with
+            elif batch is not None and shape is not None:
+                shape, nb = (*batch, *shape[nb:]), len(batch)
+            elif batch is None:
+                nb = None  # leaves that do not fit the declaration (see check_leaves)
+        d["shape"], d["dtype"], d[NB] = shape, dtype, nb
         return obj
 
     return unflatten
+
+
+def _wrap_materialize(cls: type) -> None:
+    """Make `cls.materialize` run once per batch element on a batched value."""
+    own = cls.__dict__.get("materialize")
+    if own is None or getattr(own, "_qax_per_element", False):
+        return
+
+    @functools.wraps(own)
+    def materialize(self):
+        if self.__dict__.get(NB):
+            return per_element(materialize, self)
+        return own(self)
+
+    materialize._qax_per_element = True
+    type.__setattr__(cls, "materialize", materialize)
 
 
 def _implicit_method(fn: Callable) -> Callable:
@@ -191,9 +196,12 @@ class ImplicitArray(ImplicitBase):
         for f in dataclasses.fields(cls):
             if f.name in own:
                 type.__setattr__(cls, f.name, f)
+        type.__setattr__(cls, "_qax_fields", None)
         jax.tree_util.register_pytree_with_keys(
             cls, _flatten_with_keys, _make_unflatten(cls), _flatten
         )
+        register_batching(cls)
+        _wrap_materialize(cls)
         _integrations.register(cls)
 
     @classmethod
@@ -203,6 +211,7 @@ class ImplicitArray(ImplicitBase):
     # -- shape and dtype -----------------------------------------------------------------
 
     def __post_init__(self) -> None:
+        self.__dict__[NB] = check_batch(self)
         shape = self.shape if self.shape is not None else self.compute_shape()
         dtype = self.dtype if self.dtype is not None else self.compute_dtype()
         self.shape = None if shape is None else tuple(int(d) for d in shape)
@@ -210,7 +219,6 @@ class ImplicitArray(ImplicitBase):
         missing = "shape" if shape is None else "dtype" if dtype is None else None
         if missing or (check_declared_avals.get() and is_eval_trace(current_trace())):
             self._resolve_from_materialize(missing)
-        self.__dict__[WITNESS] = _witness(self.shape, self.dtype)
 
     def _resolve_from_materialize(self, missing: str | None) -> None:
         try:
@@ -321,7 +329,7 @@ def _varying_axes(x: ImplicitArray) -> tuple[Any, frozenset]:
     aval of one such leaf."""
     reference, found = None, frozenset()
     names, _ = _field_split(type(x))
-    for child in (*(x.__dict__[n] for n in names), x.__dict__.get(WITNESS)):
+    for child in (x.__dict__[n] for n in names):
         if isinstance(child, ImplicitArray):
             ref, axes = _varying_axes(child)
         elif isinstance(child, Tracer):

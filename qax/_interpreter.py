@@ -503,7 +503,39 @@ def _check_result(handler, primitive, vals, params, out) -> None:
 # Entry points
 
 
+_SLICED_THROUGH = (
+    "{cls} of shape {shape} has fields that do not fit its declared ranks ({fields}): "
+    "its leaves were sliced through an unbatched dimension, for example by "
+    "`lax.scan`/`lax.map` or `tree_map(lambda x: x[i], ...)` over it outside "
+    "`qax.use_implicit_args`. Do the scan (or indexing) inside the function wrapped "
+    "with `qax.use_implicit_args`, where implicit arrays are sliced row by row."
+)
+
+
+def _check_entry(x: ImplicitBase) -> None:
+    """Refuse an implicit argument whose leaves no longer fit its type's declaration."""
+    if x.__dict__.get("_qax_nb", 0) is None:
+        fields = dataclasses.fields(x)
+        described = ", ".join(
+            f"{f.name}: {getattr(getattr(x, f.name), 'shape', '?')}"
+            for f in fields
+            if f.name not in ("shape", "dtype") and "qax_ndim" in f.metadata
+        )
+        raise ValueError(
+            _SLICED_THROUGH.format(
+                cls=type(x).__name__, shape=x.shape, fields=described
+            )
+        )
+    for name in type(x)._qax_child_names():
+        child = x.__dict__.get(name)
+        if isinstance(child, ImplicitBase):
+            _check_entry(child)
+
+
 def _run(trace: ImplicitTrace, f: Callable, leaves: list, treedef, original: Any):
+    for x in leaves:
+        if isinstance(x, ImplicitBase):
+            _check_entry(x)
     in_tracers = [trace.wrap(x) for x in leaves]
     with set_current_trace(trace):
         # Rebuilt under the trace: objects that record the trace they were made in

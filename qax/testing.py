@@ -18,6 +18,8 @@ import numpy as np
 
 import qax
 
+from ._batching import batchable as _batchable
+
 __all__ = ["HandlerCheck", "HandlerCheckError", "check_handler"]
 
 
@@ -192,6 +194,18 @@ def _run(head: str, where: str, fn: Callable, args: Sequence) -> Any:
 
 
 def _vmap_check(head, on_implicit, reference, args, rtol, atol) -> tuple[str, str]:
+    undeclared = sorted(
+        {
+            type(x).__name__
+            for x in qax.utils.tree_leaves_with_implicit(list(args))
+            if isinstance(x, qax.ImplicitArray) and not _batchable(type(x))
+        }
+    )
+    if undeclared:
+        return "vmap", (
+            f"skipped: {', '.join(undeclared)} does not declare batch axes "
+            "(`qax.array_field(ndim=...)`), so vmap would materialize it"
+        )
     batched = [_batch_of_two(a) for a in args]
     try:
         want = jax.vmap(reference)(*batched)
@@ -203,14 +217,21 @@ def _vmap_check(head, on_implicit, reference, args, rtol, atol) -> tuple[str, st
 
 
 def _batch_of_two(x: Any) -> Any:
-    """Stack `x` (leaf by leaf) with a copy whose floating-point leaves are halved."""
+    """A batch of `x` and a copy whose floating-point leaves are halved.
 
-    def stack(leaf: Any) -> Any:
-        leaf = jnp.asarray(leaf)
-        other = leaf * 0.5 if _is_inexact(leaf) else leaf
-        return jnp.stack([leaf, other.astype(leaf.dtype)])
+    Built with `vmap`, so that implicit arrays are stacked as their types declare.
+    """
 
-    return jax.tree_util.tree_map(stack, x)
+    def scaled(factor: Any) -> Any:
+        def scale(leaf: Any) -> Any:
+            leaf = jnp.asarray(leaf)
+            if not _is_inexact(leaf):
+                return leaf
+            return (leaf * factor).astype(leaf.dtype)
+
+        return jax.tree_util.tree_map(scale, x)
+
+    return jax.vmap(scaled)(jnp.array([1.0, 0.5]))
 
 
 def _grad_check(head, on_implicit, reference, args, want, rtol, atol):

@@ -14,9 +14,9 @@ import qax
 
 @dataclass
 class LoraMatrix(qax.ImplicitArray):
-    w: qax.ArrayValue
-    a: qax.ArrayValue
-    b: qax.ArrayValue
+    w: qax.ArrayValue = qax.array_field(ndim=2)
+    a: qax.ArrayValue = qax.array_field(ndim=2)
+    b: qax.ArrayValue = qax.array_field(ndim=2)
 
     def materialize(self):
         return self.w + self.a @ self.b.T

@@ -25,9 +25,9 @@ import qax
 class HLora(qax.ImplicitArray):
     """`w + a @ b.T`, never formed by `x @ W` (see `hlora_matmul`)."""
 
-    w: qax.ArrayValue
-    a: qax.ArrayValue
-    b: qax.ArrayValue
+    w: qax.ArrayValue = qax.array_field(ndim=2)
+    a: qax.ArrayValue = qax.array_field(ndim=2)
+    b: qax.ArrayValue = qax.array_field(ndim=2)
 
     def materialize(self):
         return self.w + self.a @ jnp.swapaxes(self.b, -1, -2)

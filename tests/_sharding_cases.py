@@ -49,8 +49,8 @@ def test_jit_named_shardings_on_implicit_operands(mode):
 def test_jit_named_sharding_goes_to_leaves_laid_out_like_the_array():
     jaxpr = jax.make_jaxpr(qax.use_implicit_args(lambda w, x: _inner(w, x)))(lora(), X)
     (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "jit"]
-    w, a, b, witness, x = eqn.params["in_shardings"]
-    assert w == ROWS and a == ROWS and witness == ROWS and x == REPLICATED
+    w, a, b, x = eqn.params["in_shardings"]
+    assert w == ROWS and a == ROWS and x == REPLICATED
     assert not isinstance(b, NamedSharding)  # (6, 2) is not laid out like (16, 6)
     out = qax.use_implicit_args(lambda w, x: _inner(w, x))(lora(), X)
     assert out.sharding == ROWS

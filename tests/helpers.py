@@ -53,9 +53,9 @@ def _zeros_broadcast(primitive, a: Zeros, *, shape, broadcast_dimensions, shardi
 class LoraMatrix(qax.ImplicitArray):
     """W + A Bᵀ, never formed by `x @ w`."""
 
-    w: qax.ArrayValue
-    a: qax.ArrayValue
-    b: qax.ArrayValue
+    w: qax.ArrayValue = qax.array_field(ndim=2)
+    a: qax.ArrayValue = qax.array_field(ndim=2)
+    b: qax.ArrayValue = qax.array_field(ndim=2)
 
     def materialize(self):
         return self.w + self.a @ self.b.T

@@ -618,7 +618,7 @@ def test_annotation_applies_to_each_leaf(primitive):
     jaxpr = jax.make_jaxpr(qax.use_implicit_args(f))(make_lora(), X)
     applied = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == primitive]
     shapes = sorted(tuple(v.aval.shape) for e in applied for v in e.invars)
-    # w, a and b; the zero-size shape witness is left alone. b (6, 2) is not laid out
+    # w, a and b. b (6, 2) is not laid out
     # like the (5, 6) weight along the constrained dimension, so it is not constrained.
     expected = {"optimization_barrier": [(), (5, 2), (5, 6), (6, 2)]}
     expected["sharding_constraint"] = [(5, 2), (5, 6)]

@@ -1,0 +1,388 @@
+"""Declared batch axes: how an implicit array's leaves carry leading batch dimensions.
+
+A field declared with ``qax.array_field(ndim=k)`` has `k` dimensions in one unbatched
+array; every further leading dimension of its leaves is a batch dimension. A stacked
+`LoraMatrix` (``w [L,m,n]``, ``a [L,m,r]``, ``b [L,n,r]`` with each field declared
+``ndim=2``) has one batch dimension and represents an array of shape ``(L, m, n)``:
+row ``i`` is the `LoraMatrix` of ``w[i]``, ``a[i]``, ``b[i]``. All fields of one value
+carry the same batch dimensions.
+
+A type *declares its batching* when every child field has a declared `ndim`; a type
+without children (its shape lives only in metadata, like a symbolic zero) batches along
+any axis. Only then may `vmap` and `scan` slice or stack it leaf by leaf; any other
+implicit array is materialized first, with a warning saying how to declare batching.
+Nothing here is guessed from leaf shapes.
+
+The numbers of batch dimensions is cached on each instance (`NB`); `None` there means
+that the leaves do not fit the declaration (e.g. they were sliced through an unbatched
+dimension by a `tree_map` or a `lax.scan` outside `use_implicit_args`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from ._base import ImplicitBase, quiet_materialization
+from ._compat import register_vmappable, set_current_trace
+from ._interpreter import MaterializationEvent, _source_line, report
+
+AUX = "qax_aux"
+NDIM = "qax_ndim"
+NB = "_qax_nb"
+
+_UNDECLARED = (
+    "`{primitive}` {action} {cls} along axis {axis}, but {why}, so it is materialized. "
+    "To keep it implicit, declare how its fields carry batch axes: give every array "
+    "field its unbatched rank with `qax.array_field(ndim=...)` (for example "
+    "`w: qax.ArrayValue = qax.array_field(ndim=2)`); leading dimensions beyond that are "
+    "batch dimensions."
+)
+
+
+def array_field(*, ndim: int, metadata: dict | None = None, **kwargs: Any) -> Any:
+    """A child field whose leaves have `ndim` dimensions in one unbatched array.
+
+    Declaring every array field this way lets `vmap`, `lax.scan` and `lax.map` slice and
+    stack the implicit array leaf by leaf (keeping it implicit): leading dimensions of a
+    leaf beyond `ndim` are batch dimensions, shared by all fields of the value, and
+    `materialize()` of a batched value runs once per batch element (vmapped).
+
+    >>> @dataclass
+    ... class LoraMatrix(qax.ImplicitArray):
+    ...     w: qax.ArrayValue = qax.array_field(ndim=2)
+    ...     a: qax.ArrayValue = qax.array_field(ndim=2)
+    ...     b: qax.ArrayValue = qax.array_field(ndim=2)
+    ...
+    ...     def materialize(self):
+    ...         return self.w + self.a @ self.b.T
+    >>> stacked = LoraMatrix(jnp.ones((4, 6, 5)), jnp.ones((4, 6, 2)), jnp.ones((4, 5, 2)))
+    >>> stacked.shape
+    (4, 6, 5)
+
+    Args:
+      ndim: the number of dimensions of this field in one unbatched array (for a field
+        holding an implicit array: the rank of the array it represents).
+      metadata: extra dataclass field metadata.
+      **kwargs: passed to `dataclasses.field` (e.g. `default`).
+
+    Returns:
+      A dataclass field.
+
+    Raises:
+      ValueError: `ndim` is not a non-negative integer.
+    """
+    if isinstance(ndim, bool) or not isinstance(ndim, int) or ndim < 0:
+        raise ValueError(f"array_field(ndim=...) takes an integer >= 0, got {ndim!r}.")
+    metadata = dict(metadata) if metadata else {}
+    metadata[NDIM] = ndim
+    return dataclasses.field(metadata=metadata, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------
+# Class-level declarations
+
+
+@dataclasses.dataclass(frozen=True)
+class Fields:
+    """A class's child and aux field names, and the declared ranks of the children."""
+
+    children: tuple[str, ...]
+    aux: tuple[str, ...]
+    ndims: tuple[int | None, ...]
+
+    @property
+    def declared(self) -> bool:
+        return all(n is not None for n in self.ndims)
+
+
+def fields_of(cls: type) -> Fields:
+    cached = cls.__dict__.get("_qax_fields")
+    if cached is None:
+        children, aux, ndims = [], [], []
+        for f in dataclasses.fields(cls):
+            if f.name in ("shape", "dtype"):
+                continue
+            if f.metadata.get(AUX):
+                aux.append(f.name)
+            else:
+                children.append(f.name)
+                ndims.append(f.metadata.get(NDIM))
+        cached = Fields(tuple(children), tuple(aux), tuple(ndims))
+        type.__setattr__(cls, "_qax_fields", cached)
+    return cached
+
+
+def batchable(cls: type) -> bool:
+    """Whether values of `cls` may be sliced and stacked leaf by leaf."""
+    return fields_of(cls).declared
+
+
+# ----------------------------------------------------------------------------------------
+# Instances
+
+
+def _leading(child: Any) -> list[tuple[int, ...]] | None:
+    """The shapes of the array-like leaves of one child (implicit arrays whole)."""
+    if child is None:
+        return []
+    if isinstance(child, ImplicitBase):
+        return [tuple(child.shape)] if child.shape is not None else None
+    if isinstance(child, (list, tuple, dict)):
+        out = []
+        for leaf in jax.tree_util.tree_leaves(
+            child, is_leaf=lambda x: isinstance(x, ImplicitBase)
+        ):
+            shapes = _leading(leaf)
+            if shapes is None:
+                return None
+            out += shapes
+        return out
+    if isinstance(child, (bool, int, float, complex)):
+        return []
+    shape = getattr(child, "shape", None)
+    if shape is None:
+        return []
+    try:
+        return [tuple(shape)]
+    except TypeError:
+        return None
+
+
+NO_ARRAYS = "no arrays"
+
+
+def batch_shape_of(x: ImplicitBase, values: dict | None = None) -> Any:
+    """The batch shape the children of `x` carry, per the declaration of its type.
+
+    `()` for an undeclared type, for one without children, and for unbatched values;
+    `NO_ARRAYS` if no child holds an array (a mask of booleans, placeholders); `None`
+    if the leaves do not fit the declaration.
+    """
+    fields = fields_of(type(x))
+    if not fields.declared or not fields.children:
+        return ()
+    d = x.__dict__ if values is None else values
+    found = None
+    for name, ndim in zip(fields.children, fields.ndims, strict=True):
+        shapes = _leading(d.get(name))
+        if shapes is None:
+            return None
+        for shape in shapes:
+            if len(shape) < ndim:
+                return None
+            batch = shape[: len(shape) - ndim]
+            if found is None:
+                found = batch
+            elif batch != found:
+                return None
+    return NO_ARRAYS if found is None else found
+
+
+_DISAGREE = (
+    "The fields of {cls} disagree on their batch dimensions: {detail}. Each field "
+    "declared with `qax.array_field(ndim=k)` has `k` dimensions per array; every "
+    "further leading dimension is a batch dimension, which all fields must share."
+)
+
+
+def check_batch(x: ImplicitBase) -> int:
+    """The number of batch dimensions of a new instance, or a clear error."""
+    batch = batch_shape_of(x)
+    if batch is None:
+        fields = fields_of(type(x))
+        detail = ", ".join(
+            f"`{n}` {_describe_shapes(x.__dict__.get(n))} (ndim={k})"
+            for n, k in zip(fields.children, fields.ndims, strict=True)
+        )
+        raise ValueError(_DISAGREE.format(cls=type(x).__name__, detail=detail))
+    return 0 if batch is NO_ARRAYS else len(batch)
+
+
+def _describe_shapes(child: Any) -> str:
+    shapes = _leading(child)
+    if not shapes:
+        return "(no array)"
+    return " ".join(str(s) for s in shapes)
+
+
+def rebuild(x: ImplicitBase, children: dict, shape: tuple, nb: int) -> ImplicitBase:
+    """A copy of `x` with some children replaced and the given shape (no checks)."""
+    obj = object.__new__(type(x))
+    d = obj.__dict__
+    d.update(x.__dict__)
+    d.pop("_qax_aval_cache", None)
+    d.update(children)
+    d["shape"], d[NB] = None if shape is None else tuple(shape), nb
+    return obj
+
+
+def sliceable(x: ImplicitBase, axis: int) -> bool:
+    """Whether `x` can be sliced along `axis` leaf by leaf."""
+    fields = fields_of(type(x))
+    if not fields.declared:
+        return False
+    if not fields.children:
+        return True
+    return axis < x.__dict__.get(NB, 0)
+
+
+def _children(x: ImplicitBase) -> dict:
+    d = x.__dict__
+    return {n: d[n] for n in fields_of(type(x)).children}
+
+
+def _map_child(child: Any, fn: Callable[[Any], Any]) -> Any:
+    """`fn` applied to each array leaf and each implicit array (whole) of a child."""
+    if child is None:
+        return None
+    return jax.tree_util.tree_map(
+        fn, child, is_leaf=lambda y: isinstance(y, ImplicitBase)
+    )
+
+
+def undeclared_reason(primitive: str, action: str, x: ImplicitBase, axis: int) -> str:
+    cls = type(x)
+    if not batchable(cls):
+        why = "its type does not declare how its fields carry batch axes"
+    else:
+        why = f"axis {axis} is not a batch axis of its fields"
+    return _UNDECLARED.format(
+        primitive=primitive, action=action, cls=cls.__name__, axis=axis, why=why
+    )
+
+
+def densify(x: ImplicitBase, primitive: str, reason: str) -> Any:
+    """Report and fully materialize `x` (at the current trace)."""
+    from ._interpreter import materialize_nested
+
+    if not quiet_materialization.get():
+        report(
+            MaterializationEvent(
+                primitive, type(x), tuple(x.shape), x.dtype, _source_line(), reason
+            )
+        )
+    return materialize_nested(x, full=True)
+
+
+# ----------------------------------------------------------------------------------------
+# vmap: implicit arrays are "vmappable" types, sliced and stacked as their type declares
+
+
+def _to_elt(cont: Callable, get_idx: Callable, x: ImplicitBase, spec: Any) -> Any:
+    """The per-example value of `x` mapped along axis `spec` (a `vmap` input)."""
+    if spec is None:
+        return x
+    axis = _canonical_axis(spec, len(x.shape), x)
+    if not sliceable(x, axis):
+        return cont(
+            densify(x, "vmap", undeclared_reason("vmap", "maps", x, axis)), axis
+        )
+    children = {
+        n: _map_child(c, lambda y: cont(y, axis)) for n, c in _children(x).items()
+    }
+    shape = x.shape[:axis] + x.shape[axis + 1 :]
+    nb = max(x.__dict__.get(NB, 0) - 1, 0)
+    return rebuild(x, children, shape, nb)
+
+
+def _from_elt(cont: Callable, axis_size: int, x: ImplicitBase, spec: Any) -> Any:
+    """The batched value of a per-example output `x`, batched along axis `spec`."""
+    if spec is None:
+        children = {
+            n: _map_child(c, lambda y: cont(axis_size, y, None))
+            for n, c in _children(x).items()
+        }
+        return rebuild(x, children, x.shape, x.__dict__.get(NB, 0))
+    axis = _canonical_axis(spec, len(x.shape) + 1, x)
+    fields = fields_of(type(x))
+    nb = x.__dict__.get(NB, 0)
+    if not fields.declared or (fields.children and axis > nb):
+        reason = undeclared_reason("vmap", "stacks its outputs of type", x, axis)
+        return cont(axis_size, densify(x, "vmap", reason), axis)
+    children = {
+        n: _map_child(c, lambda y: cont(axis_size, y, axis))
+        for n, c in _children(x).items()
+    }
+    shape = (*x.shape[:axis], axis_size, *x.shape[axis:])
+    return rebuild(x, children, shape, nb + 1 if fields.children else 0)
+
+
+def _canonical_axis(axis: Any, ndim: int, x: ImplicitBase) -> int:
+    if not isinstance(axis, int) or not -ndim <= axis < ndim:
+        raise ValueError(
+            f"vmap got axis {axis!r} for a {type(x).__name__} of shape {x.shape}: "
+            f"implicit arrays take an integer axis in [{-ndim}, {ndim}) or None."
+        )
+    return axis % ndim
+
+
+def register_batching(cls: type) -> None:
+    register_vmappable(cls, _to_elt, _from_elt)
+
+
+# ----------------------------------------------------------------------------------------
+# Materializing a batched value, one batch element at a time
+
+
+def per_element(fn: Callable[[ImplicitBase], Any], x: ImplicitBase) -> Any:
+    """`fn(x)` for a batched `x`: `fn` runs on the unbatched elements (vmapped)."""
+    names = fields_of(type(x)).children
+    nb = x.__dict__.get(NB, 0)
+    values = [x.__dict__[n] for n in names]
+    shape = None if x.shape is None else x.shape[1:]
+
+    def one(*children):
+        return fn(rebuild(x, dict(zip(names, children, strict=True)), shape, nb - 1))
+
+    axes = [None if v is None else 0 for v in values]
+    return jax.vmap(one, in_axes=axes)(*values)
+
+
+def slice_template(x: ImplicitBase) -> ImplicitBase:
+    """`x` as one row along axis 0 looks to a pytree unflattening its sliced leaves."""
+    children = {
+        n: _map_child(c, lambda y: slice_template(y) if _is_implicit(y) else y)
+        for n, c in _children(x).items()
+    }
+    return rebuild(x, children, x.shape[1:], max(x.__dict__.get(NB, 0) - 1, 0))
+
+
+def stack_like(template: Any, leaves: list, length: int) -> Any:
+    """Rebuild `template` (a row) around `leaves` stacked `length` times on axis 0."""
+    it = iter(leaves)
+
+    def build(t: Any) -> Any:
+        if not _is_implicit(t):
+            return next(it)
+        children = {n: _map_child(c, build) for n, c in _children(t).items()}
+        nb = t.__dict__.get(NB, 0) + 1 if fields_of(type(t)).children else 0
+        return rebuild(t, children, (length, *t.shape), nb)
+
+    out = jax.tree_util.tree_map(build, template, is_leaf=_is_implicit)
+    return out
+
+
+def stackable(x: Any) -> bool:
+    """Whether implicit `x` can be stacked leaf by leaf (recursively)."""
+    if not _is_implicit(x):
+        return True
+    if not batchable(type(x)):
+        return False
+    return all(
+        stackable(leaf)
+        for c in _children(x).values()
+        for leaf in jax.tree_util.tree_leaves(c, is_leaf=_is_implicit)
+    )
+
+
+def _is_implicit(x: Any) -> bool:
+    return isinstance(x, ImplicitBase)
+
+
+def at_parent(trace: Any, fn: Callable, *args: Any) -> Any:
+    with set_current_trace(trace.parent_trace):
+        return fn(*args)
