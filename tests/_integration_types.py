@@ -37,17 +37,41 @@ class LoraKernel(qax.ImplicitArray):
 
     def dense(self):
         """The represented array, for oracles outside `use_implicit_args`."""
-        return self.w + (self.a @ self.b.T).reshape(self.w.shape).astype(self.w.dtype)
+        delta = self.a @ jnp.swapaxes(self.b, -1, -2)
+        return self.w + delta.reshape(self.w.shape).astype(self.w.dtype)
 
 
-def lora_kernel(w, rank, key, split=1, scale=0.1):
-    """A `LoraKernel` over `w` whose product is nonzero (so the factors matter)."""
-    lead = math.prod(w.shape[:split])
-    trail = math.prod(w.shape[split:])
+@dataclass
+class LoraKernel2(LoraKernel):
+    """A `LoraKernel` over a 2-D kernel, with declared ranks (scanned stacks slice it)."""
+
+    w: qax.ArrayValue = qax.array_field(ndim=2)
+    a: qax.ArrayValue = qax.array_field(ndim=2)
+    b: qax.ArrayValue = qax.array_field(ndim=2)
+
+
+@dataclass
+class LoraKernel3(LoraKernel):
+    """A `LoraKernel` over a 3-D kernel (attention projections)."""
+
+    w: qax.ArrayValue = qax.array_field(ndim=3)
+    a: qax.ArrayValue = qax.array_field(ndim=2)
+    b: qax.ArrayValue = qax.array_field(ndim=2)
+
+
+def lora_kernel(w, rank, key, split=1, scale=0.1, batch=0):
+    """A `LoraKernel` over `w` whose product is nonzero (so the factors matter).
+
+    `batch` leading dims of `w` are a stack of kernels (scanned layers).
+    """
+    stack, core = w.shape[:batch], w.shape[batch:]
+    lead = math.prod(core[:split])
+    trail = math.prod(core[split:])
     ka, kb = jax.random.split(key)
-    a = scale * jax.random.normal(ka, (lead, rank), w.dtype)
-    b = scale * jax.random.normal(kb, (trail, rank), w.dtype)
-    return LoraKernel(w, a, b, split=split)
+    a = scale * jax.random.normal(ka, (*stack, lead, rank), w.dtype)
+    b = scale * jax.random.normal(kb, (*stack, trail, rank), w.dtype)
+    cls = {2: LoraKernel2, 3: LoraKernel3}.get(len(core), LoraKernel)
+    return cls(w, a, b, split=split)
 
 
 def _move_flat(x, dims, front):
