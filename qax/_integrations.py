@@ -113,10 +113,10 @@ def _register_export(cls: type) -> None:
     name = export_name(cls)
 
     def serialize(aux: Any) -> bytes:
-        return json.dumps(_encode(aux, "aux", cls)).encode()
+        return encode_aux(aux, cls).encode()
 
     def deserialize(data: bytes) -> Any:
-        return _decode(json.loads(data.decode()))
+        return decode_aux(data.decode())
 
     # A class defined again under the same name (a re-run cell) replaces the old one.
     forget_export_serialization(cls, name)
@@ -242,7 +242,21 @@ def when_imported(name: str, callback: Callable[[Any], None]) -> None:
             sys.meta_path.insert(0, _finder)
 
 
+# The latest class defined under each export name (for `qax.checkpoint.rebuild`).
+classes: dict[str, type] = {}
+
+
+def encode_aux(aux: Any, cls: type) -> str:
+    """The static metadata `aux` of a `cls` node as JSON text."""
+    return json.dumps(_encode(aux, "aux", cls))
+
+
+def decode_aux(text: str) -> Any:
+    return _decode(json.loads(text))
+
+
 def register(cls: type) -> None:
     """Register a new `ImplicitArray` subclass with `jax.export` and Flax."""
+    classes[export_name(cls)] = cls
     _register_export(cls)
     when_imported("flax.serialization", lambda module: _register_flax(module, cls))
