@@ -82,7 +82,8 @@ def describe(tree: Any) -> dict:
         `jax.export` support in the README).
     """
     found = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_implicit)[0]:
+    keyed, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_implicit)
+    for path, leaf in keyed:
         if is_implicit(leaf):
             found.append({"path": [_key(k) for k in path], **_describe_one(leaf)})
     return {"format": 1, "implicit": found}

@@ -35,11 +35,15 @@ class Scaled(qax.ImplicitArray):
 
 
 def _state():
-    lora = lora_kernel(jax.random.normal(jax.random.key(0), (6, 5)), 2, jax.random.key(1))
+    lora = lora_kernel(
+        jax.random.normal(jax.random.key(0), (6, 5)), 2, jax.random.key(1)
+    )
     params = {
         "lora": lora,
         "zero": SymbolicConstant(0.0, shape=(5,), dtype=jnp.float32),
-        "nested": Scaled(lora_kernel(jnp.ones((4, 3)), 1, jax.random.key(2)), scale=0.5),
+        "nested": Scaled(
+            lora_kernel(jnp.ones((4, 3)), 1, jax.random.key(2)), scale=0.5
+        ),
         "dense": jnp.arange(3.0),
     }
     tx = qax.freeze_keys(optax.adam(1e-2), LoraKernel, ["w"])
