@@ -243,9 +243,9 @@ def test_holds_filter(model):
 
 def test_display(model):
     text = repr(model)
-    assert "LoraKernel(" in text and "split=2" in text
+    assert "LoraKernel2(" in text and "LoraKernel3(" in text and "split=2" in text
     rendered = treescope.render_to_text(model.fc1.kernel.get_value())
-    assert rendered.startswith("LoraKernel(")
+    assert rendered.startswith("LoraKernel2(")
     for part in ("w=", "a=", "b=", "split=1", "shape=(8, 16)", "float32"):
         assert part in rendered, part
-    assert "LoraKernel(" in treescope.render_to_text(model)
+    assert "LoraKernel3(" in treescope.render_to_text(model)
