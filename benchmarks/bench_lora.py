@@ -65,9 +65,9 @@ import qax  # noqa: E402
 class LoraMatrix(qax.ImplicitArray):
     """``w + a @ b.T``, never formed: matmuls against it run the two products."""
 
-    w: qax.ArrayValue
-    a: qax.ArrayValue
-    b: qax.ArrayValue
+    w: qax.ArrayValue = qax.array_field(ndim=2)
+    a: qax.ArrayValue = qax.array_field(ndim=2)
+    b: qax.ArrayValue = qax.array_field(ndim=2)
 
     def compute_shape(self):
         return self.w.shape

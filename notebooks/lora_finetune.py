@@ -54,9 +54,9 @@ class LoraMatrix(qax.ImplicitArray):
     `w` has shape (d_in, d_out), `a` (d_in, rank) and `b` (d_out, rank).
     """
 
-    w: qax.ArrayValue
-    a: qax.ArrayValue
-    b: qax.ArrayValue
+    w: qax.ArrayValue = qax.array_field(ndim=2)
+    a: qax.ArrayValue = qax.array_field(ndim=2)
+    b: qax.ArrayValue = qax.array_field(ndim=2)
     scale: float = qax.aux_field(default=1.0)
 
     def materialize(self):

@@ -155,7 +155,7 @@ def _leading(child: Any) -> list[tuple[int, ...]] | None:
 NO_ARRAYS = "no arrays"
 
 
-def batch_shape_of(x: ImplicitBase, values: dict | None = None) -> Any:
+def batch_shape_of(x: ImplicitBase) -> Any:
     """The batch shape the children of `x` carry, per the declaration of its type.
 
     `()` for an undeclared type, for one without children, and for unbatched values;
@@ -165,16 +165,28 @@ def batch_shape_of(x: ImplicitBase, values: dict | None = None) -> Any:
     fields = fields_of(type(x))
     if not fields.declared or not fields.children:
         return ()
-    d = x.__dict__ if values is None else values
+    d = x.__dict__
+    return leaf_batch_shape([d.get(n) for n in fields.children], fields.ndims)
+
+
+def leaf_batch_shape(children: list, ndims: tuple) -> Any:
+    """`batch_shape_of` for a declared type, fast: its children in field order."""
     found = None
-    for name, ndim in zip(fields.children, fields.ndims, strict=True):
-        shapes = _leading(d.get(name))
-        if shapes is None:
-            return None
-        for shape in shapes:
-            if len(shape) < ndim:
+    for child, ndim in zip(children, ndims):
+        shape = getattr(child, "shape", None)
+        if shape is not None:
+            shapes = (shape,)
+        elif isinstance(child, (list, tuple, dict)):
+            shapes = _leading(child)
+            if shapes is None:
                 return None
-            batch = shape[: len(shape) - ndim]
+        else:
+            continue  # None, Python scalars, placeholders without a shape
+        for shape in shapes:
+            n = len(shape) - ndim
+            if n < 0:
+                return None
+            batch = tuple(shape[:n])
             if found is None:
                 found = batch
             elif batch != found:

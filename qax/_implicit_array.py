@@ -19,9 +19,9 @@ from ._batching import (
     AUX,
     NB,
     NO_ARRAYS,
-    batch_shape_of,
     check_batch,
     fields_of,
+    leaf_batch_shape,
     per_element,
     register_batching,
 )
@@ -61,52 +61,50 @@ def _field_split(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return fields.children, fields.aux
 
 
-def _aux_data(x: ImplicitArray, aux: tuple[str, ...]) -> tuple:
-    d = x.__dict__
-    return (tuple(d[n] for n in aux), x.shape, x.dtype, d.get(NB, 0))
+def _pytree_functions(cls: type) -> tuple[Callable, Callable, Callable]:
+    """Flatten (with and without keys) and unflatten functions for `cls`.
 
-
-def _flatten_with_keys(x: ImplicitArray):
-    children, aux = _field_split(type(x))
-    d = x.__dict__
-    keyed = [(jax.tree_util.GetAttrKey(n), d[n]) for n in children]
-    return keyed, _aux_data(x, aux)
-
-
-def _flatten(x: ImplicitArray):
-    children, aux = _field_split(type(x))
-    d = x.__dict__
-    return [d[n] for n in children], _aux_data(x, aux)
-
-
-def _make_unflatten(cls: type) -> Callable:
+    Children are the declared fields, in order; the aux data is the aux fields, shape,
+    dtype and number of batch dimensions. These run on every `jit` call, so they are
+    specialized per class.
+    """
     fields = fields_of(cls)
-    names, aux_names = fields.children, fields.aux
+    names, aux_names, ndims = fields.children, fields.aux, fields.ndims
+    keys = tuple(jax.tree_util.GetAttrKey(n) for n in names)
     # Only a type that declares its fields' ranks gets its batch shape from its leaves
     # (after `vmap`, `scan` or a `tree_map` sliced or stacked them); any other keeps
     # the shape it had when it was flattened.
     declared = fields.declared and bool(names)
 
+    def aux_data(d: dict) -> tuple:
+        aux = tuple([d[n] for n in aux_names]) if aux_names else ()
+        return (aux, d["shape"], d["dtype"], d.get(NB, 0))
+
+    def flatten(x):
+        d = x.__dict__
+        return [d[n] for n in names], aux_data(d)
+
+    def flatten_with_keys(x):
+        d = x.__dict__
+        return list(zip(keys, [d[n] for n in names])), aux_data(d)
+
     def unflatten(aux_data, children):
         obj = object.__new__(cls)
         d = obj.__dict__
-        for name, child in zip(names, children):
-            d[name] = child
+        d.update(zip(names, children))
         aux_values, shape, dtype, nb = aux_data
-        for name, value in zip(aux_names, aux_values):
-            d[name] = value
-        if declared:
-            batch = batch_shape_of(obj)
-            if batch is NO_ARRAYS or nb is None:
-                pass  # placeholders, masks: keep the shape it was flattened with
-            elif batch is not None and shape is not None:
+        if aux_names:
+            d.update(zip(aux_names, aux_values))
+        if declared and nb is not None and shape is not None:
+            batch = leaf_batch_shape(children, ndims)
+            if batch is None:
+                nb = None  # leaves that do not fit the declaration (see _check_entry)
+            elif batch is not NO_ARRAYS and (len(batch) != nb or shape[:nb] != batch):
                 shape, nb = (*batch, *shape[nb:]), len(batch)
-            elif batch is None:
-                nb = None  # leaves that do not fit the declaration (see check_leaves)
         d["shape"], d["dtype"], d[NB] = shape, dtype, nb
         return obj
 
-    return unflatten
+    return flatten, flatten_with_keys, unflatten
 
 
 def _wrap_materialize(cls: type) -> None:
@@ -197,8 +195,9 @@ class ImplicitArray(ImplicitBase):
             if f.name in own:
                 type.__setattr__(cls, f.name, f)
         type.__setattr__(cls, "_qax_fields", None)
+        flatten, flatten_with_keys, unflatten = _pytree_functions(cls)
         jax.tree_util.register_pytree_with_keys(
-            cls, _flatten_with_keys, _make_unflatten(cls), _flatten
+            cls, flatten_with_keys, unflatten, flatten
         )
         register_batching(cls)
         _wrap_materialize(cls)

@@ -1,0 +1,273 @@
+"""Property-based check: random programs on random implicit inputs equal the dense ones.
+
+Hypothesis draws an implicit input (declared or undeclared batching, with or without
+handlers, nested, symbolic), a short program of array operations with transformations
+wrapped around parts of it (jit, vmap, grad, scan, cond, while, checkpoint, custom_jvp)
+and an outer transformation; `qax.use_implicit_args(f)(x)` must equal `f` on the
+materialized input: values, shapes, dtypes, weak types, and gradients with respect to
+the implicit input's leaves and to the dense input.
+
+The budget is bounded for CI; set ``QAX_PROPERTY_EXAMPLES=500`` (for example) for a
+longer search.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import qax
+from qax.symbols import SymbolicConstant
+
+hypothesis = pytest.importorskip("hypothesis")
+st = hypothesis.strategies
+
+EXAMPLES = int(os.environ.get("QAX_PROPERTY_EXAMPLES", "20"))
+N = 4
+
+
+# ----------------------------------------------------------------------------------------
+# Implicit types: declared with a handler, undeclared without, shape-only with handlers
+
+
+@dataclass
+class PropLora(qax.ImplicitArray):
+    w: qax.ArrayValue = qax.array_field(ndim=2)
+    a: qax.ArrayValue = qax.array_field(ndim=2)
+    b: qax.ArrayValue = qax.array_field(ndim=2)
+
+    def materialize(self):
+        return self.w + self.a @ self.b.T
+
+
+@qax.primitive_handler("dot_general")
+def _prop_lora_matmul(primitive, x: jax.Array, w: PropLora, *, dimension_numbers, **kw):
+    (lc, rc), (lb, rb) = dimension_numbers
+    if w.ndim != 2 or lb or rb or tuple(lc) != (x.ndim - 1,) or tuple(rc) != (0,):
+        return NotImplemented
+    out = qax.default_handler(
+        primitive, x, w.w, dimension_numbers=dimension_numbers, **kw
+    )
+    return out + (x @ w.a) @ w.b.T
+
+
+@dataclass
+class PropScaled(qax.ImplicitArray):
+    """No batch declaration and no handlers: everything materializes."""
+
+    x: qax.ArrayValue
+    s: qax.ArrayValue
+
+    def materialize(self):
+        return self.x * self.s
+
+
+class PropZeros(qax.ImplicitArray):
+    default_dtype = jnp.float32
+
+    def materialize(self):
+        return jnp.zeros(self.shape, self.dtype)
+
+
+@qax.primitive_handler("mul")
+def _prop_zeros_mul(primitive, z: PropZeros, other: qax.ArrayValue):
+    shape = jnp.broadcast_shapes(z.shape, jnp.shape(other))
+    return PropZeros(shape=shape, dtype=jnp.result_type(z.dtype, other.dtype))
+
+
+def make_input(kind: str, seed: int):
+    k = jax.random.split(jax.random.PRNGKey(seed), 3)
+
+    def normal(key, shape):
+        return 0.5 * jax.random.normal(key, shape)
+
+    if kind == "lora":
+        return PropLora(
+            normal(k[0], (N, N)), normal(k[1], (N, 2)), normal(k[2], (N, 2))
+        )
+    if kind == "scaled":
+        return PropScaled(normal(k[0], (N, N)), jnp.asarray(1.5))
+    if kind == "nested":
+        inner = PropScaled(normal(k[0], (N, N)), jnp.asarray(0.5))
+        return PropLora(inner, normal(k[1], (N, 2)), normal(k[2], (N, 2)))
+    if kind == "zeros":
+        return PropZeros(shape=(N, N))
+    if kind == "constant":
+        return SymbolicConstant(0.75, shape=(N, N))  # weakly typed
+    raise ValueError(kind)
+
+
+KINDS = ["lora", "scaled", "nested", "zeros", "constant"]
+
+
+# ----------------------------------------------------------------------------------------
+# Programs
+
+
+OPS = {
+    "sin": lambda h, y: jnp.sin(h),
+    "tanh": lambda h, y: jnp.tanh(h),
+    "scale": lambda h, y: h * 0.5,
+    "add_y": lambda h, y: h + y,
+    "matmul_right": lambda h, y: h @ y,
+    "matmul_left": lambda h, y: y @ h,
+    "transpose": lambda h, y: h.T,
+    "relu": lambda h, y: jax.nn.relu(h),
+    "square": lambda h, y: h * h,
+    "center": lambda h, y: h - h.mean(0),
+}
+
+
+@jax.custom_jvp
+def _soft(h):
+    return h / (1.0 + jnp.abs(h))
+
+
+@_soft.defjvp
+def _soft_jvp(primals, tangents):
+    (h,), (t,) = primals, tangents
+    return _soft(h), t / (1.0 + jnp.abs(h)) ** 2
+
+
+def apply_block(block, h, y):
+    for item in block:
+        if isinstance(item, str):
+            h = OPS[item](h, y)
+        else:
+            transform, inner = item
+            h = TRANSFORMS[transform](
+                lambda h, inner=inner: apply_block(inner, h, y), h, y
+            )
+    return h
+
+
+TRANSFORMS = {
+    "jit": lambda g, h, y: jax.jit(g)(h),
+    "checkpoint": lambda g, h, y: jax.checkpoint(g)(h),
+    "cond": lambda g, h, y: lax.cond(jnp.sum(y) > 0, g, lambda h: g(h) * 0.5, h),
+    "scan": lambda g, h, y: lax.scan(lambda c, _: (g(c), None), h, None, length=2)[0],
+    "while": lambda g, h, y: lax.fori_loop(0, 2, lambda i, c: g(c), h),
+    "vmap": lambda g, h, y: jax.vmap(g)(h),
+    "grad": lambda g, h, y: jax.grad(lambda h: jnp.sum(jnp.tanh(g(h))))(h),
+    "custom_jvp": lambda g, h, y: _soft(g(h)),
+}
+
+
+def blocks(depth: int):
+    op = st.sampled_from(sorted(OPS))
+    if depth == 0:
+        return st.lists(op, min_size=1, max_size=3)
+    wrapped = st.tuples(st.sampled_from(sorted(TRANSFORMS)), blocks(depth - 1))
+    return st.lists(st.one_of(op, wrapped), min_size=1, max_size=4)
+
+
+# ----------------------------------------------------------------------------------------
+# The oracle
+
+
+def dense(x):
+    if isinstance(x, qax.ImplicitArray):
+        return qax.materialize_nested(x, full=True)
+    return x
+
+
+def assert_same(got, want, what):
+    got = dense(got)
+    assert jnp.shape(got) == jnp.shape(want), what
+    assert jnp.result_type(got) == jnp.result_type(want), what
+    assert jax.typeof(got).weak_type == jax.typeof(want).weak_type, what
+    np.testing.assert_allclose(
+        np.asarray(got, np.float64),
+        np.asarray(want, np.float64),
+        rtol=2e-3,
+        atol=2e-4,
+        equal_nan=True,
+        err_msg=what,
+    )
+
+
+OUTER = ["none", "jit", "grad_y", "grad_leaves"]
+
+
+@hypothesis.settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=list(hypothesis.HealthCheck),
+    derandomize=os.environ.get("QAX_PROPERTY_EXAMPLES") is None,
+)
+@hypothesis.given(
+    kind=st.sampled_from(KINDS),
+    seed=st.integers(0, 2**16),
+    program=blocks(2),
+    outer=st.sampled_from(OUTER),
+)
+def test_random_programs_match_the_materialized_computation(kind, seed, program, outer):
+    x = make_input(kind, seed)
+    y = 0.5 * jax.random.normal(jax.random.PRNGKey(seed + 1), (N, N))
+
+    def f(x, y):
+        return apply_block(program, x, y)
+
+    what = f"{kind} {program} {outer}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qax.MaterializationWarning)
+        if outer in ("none", "jit"):
+            g = qax.use_implicit_args(f)
+            if outer == "jit":
+                g = jax.jit(g)
+            assert_same(g(x, y), f(dense(x), y), what)
+        elif outer == "grad_y":
+
+            def loss(fn):
+                return lambda x, y: jnp.sum(jnp.cos(dense(fn(x, y))))
+
+            got = jax.grad(loss(qax.use_implicit_args(f)), argnums=1)(x, y)
+            want = jax.grad(loss(f), argnums=1)(dense(x), y)
+            assert_same(got, want, what)
+        else:
+            leaves, tree = jax.tree_util.tree_flatten(x)
+            if not leaves:
+                return
+
+            def loss(fn, through_dense):
+                def of_leaves(leaves):
+                    value = jax.tree_util.tree_unflatten(tree, leaves)
+                    if through_dense:
+                        value = dense(value)
+                    return jnp.sum(jnp.cos(dense(fn(value, y))))
+
+                return of_leaves
+
+            got = jax.grad(loss(qax.use_implicit_args(f), False))(leaves)
+            want = jax.grad(loss(f, True))(leaves)
+            for g_leaf, w_leaf in zip(got, want, strict=True):
+                assert_same(g_leaf, w_leaf, what)
+
+
+@hypothesis.settings(max_examples=max(EXAMPLES // 3, 5), deadline=None)
+@hypothesis.given(
+    kind=st.sampled_from(["lora", "zeros", "constant"]),
+    seed=st.integers(0, 2**16),
+    program=blocks(1),
+)
+def test_vmap_over_stacked_inputs_matches_the_materialized_computation(
+    kind, seed, program
+):
+    stacked = jax.vmap(lambda s: make_input(kind, s))(jnp.arange(3) + seed)
+    y = 0.5 * jax.random.normal(jax.random.PRNGKey(seed + 1), (N, N))
+
+    def f(x):
+        return apply_block(program, x, y)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qax.MaterializationWarning)
+        got = jax.vmap(qax.use_implicit_args(f))(stacked)
+        want = jax.vmap(f)(dense(stacked))
+    assert_same(got, want, f"{kind} {program}")
