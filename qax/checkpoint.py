@@ -24,7 +24,7 @@ import jax
 
 from . import _integrations
 from ._base import is_implicit
-from ._implicit_array import _make_unflatten
+from ._implicit_array import _pytree_functions
 
 __all__ = ["describe", "rebuild"]
 
@@ -131,7 +131,8 @@ def _build(raw: Any, desc: dict, where: list) -> Any:
                 _MISSING.format(what=f"field {name!r}", path=where, cls=cls.__name__)
             ) from None
         children.append(value if sub is None else _build(value, sub, [*where, name]))
-    return _make_unflatten(cls)(_integrations.decode_aux(desc["aux"]), children)
+    unflatten = _pytree_functions(cls)[2]
+    return unflatten(_integrations.decode_aux(desc["aux"]), children)
 
 
 def rebuild(raw: Any, description: dict) -> Any:
