@@ -532,7 +532,7 @@ def _check_entry(x: ImplicitBase) -> None:
             _check_entry(child)
 
 
-def _run(trace: ImplicitTrace, f: Callable, leaves: list, treedef, original: Any):
+def _run(trace: ImplicitTrace, f: Callable, leaves: list, treedef, variables: list):
     for x in leaves:
         if isinstance(x, ImplicitBase):
             _check_entry(x)
@@ -542,11 +542,11 @@ def _run(trace: ImplicitTrace, f: Callable, leaves: list, treedef, original: Any
         # (Flax NNX `Variable`s) may then be updated inside `f`, e.g. by `nnx.jit`.
         args, kwargs = jax.tree_util.tree_unflatten(treedef, in_tracers)
         del in_tracers
-        variables = _mutable.capture(original, (args, kwargs))
+        pairs = _mutable.capture(variables, (args, kwargs)) if variables else None
         out = f(*args, **kwargs)
     del args, kwargs
-    if variables:
-        _mutable.write_back(variables, trace.to_value)
+    if pairs:
+        _mutable.write_back(pairs, trace.to_value)
     return jax.tree_util.tree_map(trace.to_value, out)
 
 
@@ -573,7 +573,7 @@ def use_implicit_args(f: Callable) -> Callable:
 
     @functools.wraps(f)
     def implicit_f(*args, **kwargs):
-        leaves, treedef = jax.tree_util.tree_flatten(
+        leaves, treedef, variables = _mutable.flatten(
             (args, kwargs), is_leaf=is_implicit
         )
         parent = current_trace()
@@ -581,7 +581,7 @@ def use_implicit_args(f: Callable) -> Callable:
         trace = reused or ImplicitTrace(parent, TraceTag())
         token = check_declared_avals.set(False)
         try:
-            out = _run(trace, f, leaves, treedef, (args, kwargs))
+            out = _run(trace, f, leaves, treedef, variables)
         finally:
             check_declared_avals.reset(token)
             if reused is not None:

@@ -3,7 +3,7 @@
 `use_implicit_args` rebuilds its arguments with tracers in place of implicit arrays, so
 a function that updates a Flax NNX `Variable` in place (a batch-norm statistic, an
 `nnx.Optimizer.update`, or the state that `nnx.jit` writes back) updates the rebuilt
-copy. `capture` pairs each `Variable` of the caller's arguments with its copy; `write_back`
+copy. `flatten` notes the caller's `Variable`s, `capture` pairs each with its copy; `write_back`
 copies the values that changed back to the caller's `Variable`s, so wrapping a stateful
 NNX function behaves as calling it, in either order with `nnx.jit`.
 
@@ -25,24 +25,56 @@ def _variable_type() -> type | None:
     return getattr(nnx, "Variable", None)
 
 
-def _variables(tree: Any, variable: type) -> list:
-    leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, variable))
-    return [x for x in leaves if isinstance(x, variable)]
+_memos: dict[type, dict[type, bool]] = {}
 
 
-def capture(original: Any, rebuilt: Any) -> list[tuple[Any, Any, Any]] | None:
-    """(caller's variable, rebuilt variable, rebuilt value) for each NNX `Variable`.
+def _subclass_memo(variable: type) -> dict[type, bool]:
+    """type -> "is a subclass of `variable`" (`isinstance` on NNX types is slow)."""
+    memo = _memos.get(variable)
+    if memo is None:
+        memo = _memos[variable] = {}
+    return memo
 
-    Returns None when there is nothing to write back (no NNX, or no `Variable`).
+
+def flatten(tree: Any, is_leaf: Callable) -> tuple[list, Any, list]:
+    """`jax.tree_util.tree_flatten(tree, is_leaf)`, and the NNX `Variable`s it passed.
+
+    The `Variable`s are noted during the same traversal (no second one), so arguments
+    without them cost what a plain flatten costs.
     """
     variable = _variable_type()
     if variable is None:
-        return None
-    originals = _variables(original, variable)
-    if not originals:
-        return None
-    copies = _variables(rebuilt, variable)
-    if len(copies) != len(originals):  # pragma: no cover (same treedef by construction)
+        leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_leaf)
+        return leaves, treedef, []
+    seen: list = []
+    memo = _subclass_memo(variable)
+
+    def noting(x: Any) -> bool:
+        kind = type(x)
+        is_variable = memo.get(kind)
+        if is_variable is None:
+            is_variable = memo[kind] = issubclass(kind, variable)
+        if is_variable:
+            seen.append(x)
+            return False
+        return is_leaf(x)
+
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=noting)
+    return leaves, treedef, seen
+
+
+def capture(originals: list, rebuilt: Any) -> list[tuple[Any, Any, Any]] | None:
+    """(caller's variable, rebuilt variable, rebuilt value) for each NNX `Variable`.
+
+    `originals` are the caller's `Variable`s in traversal order (from `flatten`);
+    `rebuilt` is the argument tree rebuilt from the same treedef.
+    """
+    variable = _variable_type()
+    leaves = jax.tree_util.tree_leaves(
+        rebuilt, is_leaf=lambda x: isinstance(x, variable)
+    )
+    copies = [x for x in leaves if isinstance(x, variable)]
+    if len(copies) != len(originals):  # nested Variables: leave them alone
         return None
     return [(o, c, c.get_raw_value()) for o, c in zip(originals, copies) if o is not c]
 
