@@ -1,6 +1,7 @@
 """qax: arrays represented one way that behave like another, for any JAX code."""
 
 from . import _higher_order as _higher_order  # noqa: F401 (registers structural rules)
+from . import checkpoint as checkpoint
 from . import constants as constants
 from . import symbols as symbols
 from . import testing as testing
@@ -42,6 +43,7 @@ __all__ = [
     "UninitializedAval",
     "array_field",
     "aux_field",
+    "checkpoint",
     "constants",
     "default_handler",
     "explain",

@@ -294,3 +294,18 @@ def is_stack_before_transformation(e: BaseException | None) -> bool:
     """Whether `e` is the copy of the user's stack that JAX chains to an error raised
     while it re-evaluated a traced operation."""
     return isinstance(e, _source_info.JaxStackTraceBeforeTransformation)
+
+
+def forget_export_serialization(nodetype: type, serialized_name: str) -> None:
+    """Drop `jax.export`'s serialization entries for `nodetype` and `serialized_name`.
+
+    `jax.export.register_pytree_node_serialization` refuses a second registration; a
+    class defined again under the same name (a re-run notebook cell) replaces the old
+    one instead.
+    """
+    from jax._src.export import _export
+
+    entry = _export.deserialization_registry.pop(serialized_name, None)
+    if entry is not None:
+        _export.serialization_registry.pop(entry[0], None)
+    _export.serialization_registry.pop(nodetype, None)

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 
-from . import _outside
+from . import _integrations, _outside
 from ._base import ImplicitBase, check_declared_avals, quiet_materialization
 from ._batching import (
     AUX,
@@ -204,6 +204,7 @@ class ImplicitArray(ImplicitBase):
         )
         register_batching(cls)
         _wrap_materialize(cls)
+        _integrations.register(cls)
 
     @classmethod
     def _qax_child_names(cls) -> tuple[str, ...]:
@@ -294,6 +295,28 @@ class ImplicitArray(ImplicitBase):
             f"dtype={None if self.dtype is None else np.dtype(self.dtype).name}"
         )
         return f"{type(self).__name__}({', '.join(parts)})"
+
+    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+        """Rendering in `treescope` (and so in Flax NNX's notebook display).
+
+        Shown as its constructor call: the child fields (arrays summarized by
+        treescope), then the metadata that `__init__` takes, then shape and dtype.
+        """
+        import treescope  # only treescope calls this method
+
+        names, aux = _field_split(type(self))
+        settable = {f.name for f in dataclasses.fields(self) if f.init}
+        attributes = {n: getattr(self, n) for n in names}
+        attributes.update({n: getattr(self, n) for n in aux if n in settable})
+        attributes["shape"] = self.shape
+        attributes["dtype"] = None if self.dtype is None else np.dtype(self.dtype)
+        return treescope.repr_lib.render_object_constructor(
+            object_type=type(self),
+            attributes=attributes,
+            path=path,
+            subtree_renderer=subtree_renderer,
+            roundtrippable=True,
+        )
 
     __hash__ = object.__hash__
 

@@ -27,7 +27,7 @@ import jaxlib
 import numpy as np
 import plum
 
-from . import _dispatch, _errors
+from . import _dispatch, _errors, _mutable
 from ._base import (
     ImplicitBase,
     check_declared_avals,
@@ -906,16 +906,21 @@ def _check_entry(x: ImplicitBase) -> None:
             _check_entry(child)
 
 
-def _run(trace: ImplicitTrace, f: Callable, leaves: list, treedef):
+def _run(trace: ImplicitTrace, f: Callable, leaves: list, treedef, variables: list):
     for x in leaves:
         if isinstance(x, ImplicitBase):
             _check_entry(x)
     in_tracers = [trace.wrap(x) for x in leaves]
-    args, kwargs = jax.tree_util.tree_unflatten(treedef, in_tracers)
-    del in_tracers
     with set_current_trace(trace):
+        # Rebuilt under the trace: objects that record the trace they were made in
+        # (Flax NNX `Variable`s) may then be updated inside `f`, e.g. by `nnx.jit`.
+        args, kwargs = jax.tree_util.tree_unflatten(treedef, in_tracers)
+        del in_tracers
+        pairs = _mutable.capture(variables, (args, kwargs)) if variables else None
         out = f(*args, **kwargs)
     del args, kwargs
+    if pairs:
+        _mutable.write_back(pairs, trace.to_value)
     return jax.tree_util.tree_map(trace.to_value, out)
 
 
@@ -947,7 +952,7 @@ def use_implicit_args(f: Callable) -> Callable:
 
     @functools.wraps(f)
     def implicit_f(*args, **kwargs):
-        leaves, treedef = jax.tree_util.tree_flatten(
+        leaves, treedef, variables = _mutable.flatten(
             (args, kwargs), is_leaf=is_implicit
         )
         parent = current_trace()
@@ -955,7 +960,7 @@ def use_implicit_args(f: Callable) -> Callable:
         trace = reused or ImplicitTrace(parent, ImplicitTag())
         token = check_declared_avals.set(False)
         try:
-            out = _run(trace, f, leaves, treedef)
+            out = _run(trace, f, leaves, treedef, variables)
         except Exception as e:
             _raise_if_half_built(leaves, e)
             _show_once(e)

@@ -9,12 +9,14 @@ import qax
 
 PUBLIC_MODULES = [
     "qax",
+    "qax.checkpoint",
     "qax.constants",
+    "qax.lora",
+    "qax.nnx",
+    "qax.quant",
     "qax.utils",
     "qax.symbols",
     "qax.testing",
-    "qax.lora",
-    "qax.quant",
 ]
 
 

@@ -1,0 +1,262 @@
+"""Serialization of implicit arrays for `jax.export` and `flax.serialization`.
+
+Every `ImplicitArray` subclass is registered when the class is created (`register`):
+
+- with `jax.export` under the stable name ``qax:<module>.<qualname>``, its static
+  metadata (aux fields, shape, dtype) encoded as tagged JSON, so an `Exported` whose
+  inputs or outputs hold implicit arrays serializes and deserializes;
+- with `flax.serialization` (`to_bytes`/`from_bytes`, `to_state_dict`): the state dict
+  of an implicit array is the dict of its child fields; restoring needs a template of
+  the same type, as for any Flax state. Flax is never imported for this: the
+  registration waits until something else imports `flax.serialization`.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import importlib.abc
+import json
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._compat import forget_export_serialization
+
+_EXPORT_PREFIX = "qax:"
+
+_UNSERIALIZABLE_AUX = (
+    "jax.export cannot serialize the static metadata of {cls}: {path} holds a "
+    "{kind}. qax encodes None, bool, int, float, complex, str, bytes, NumPy dtypes and "
+    "scalars, and tuples, lists and dicts of them. Keep `qax.aux_field` values to these "
+    "types, or register the class yourself with "
+    "`jax.export.register_pytree_node_serialization` after defining it."
+)
+
+
+# ----------------------------------------------------------------------------------------
+# jax.export
+
+
+def _encode(x: Any, path: str, cls: type) -> Any:
+    if x is None or isinstance(x, (bool, str)):
+        return x
+    if isinstance(x, int) and not isinstance(x, bool):
+        return {"int": str(x)}
+    if isinstance(x, float):
+        return {"float": repr(x)}
+    if isinstance(x, complex):
+        return {"complex": [repr(x.real), repr(x.imag)]}
+    if isinstance(x, bytes):
+        return {"bytes": base64.b64encode(x).decode("ascii")}
+    if isinstance(x, np.dtype) or (isinstance(x, type) and issubclass(x, np.generic)):
+        return {"dtype": np.dtype(x).name}
+    if isinstance(x, np.generic):
+        raw = base64.b64encode(np.asarray(x).tobytes()).decode("ascii")
+        return {"scalar": [x.dtype.name, raw]}
+    if isinstance(x, (tuple, list)):
+        tag = "tuple" if isinstance(x, tuple) else "list"
+        return {tag: [_encode(v, f"{path}[{i}]", cls) for i, v in enumerate(x)]}
+    if isinstance(x, dict):
+        return {
+            "dict": [
+                [_encode(k, path, cls), _encode(v, f"{path}[{k!r}]", cls)]
+                for k, v in x.items()
+            ]
+        }
+    raise TypeError(
+        _UNSERIALIZABLE_AUX.format(
+            cls=cls.__name__, path=path, kind=f"{type(x).__name__} ({x!r})"
+        )
+    )
+
+
+def _decode(x: Any) -> Any:
+    if not isinstance(x, dict):
+        return x
+    ((tag, v),) = x.items()
+    if tag == "int":
+        return int(v)
+    if tag == "float":
+        return float(v)
+    if tag == "complex":
+        return complex(float(v[0]), float(v[1]))
+    if tag == "bytes":
+        return base64.b64decode(v)
+    if tag == "dtype":
+        return _dtype(v)
+    if tag == "scalar":
+        return np.frombuffer(base64.b64decode(v[1]), dtype=_dtype(v[0]))[0]
+    if tag == "tuple":
+        return tuple(_decode(e) for e in v)
+    if tag == "list":
+        return [_decode(e) for e in v]
+    if tag == "dict":
+        return {_decode(k): _decode(e) for k, e in v}
+    raise ValueError(f"Unknown tag {tag!r} in serialized qax metadata.")
+
+
+def _dtype(name: str) -> np.dtype:
+    return np.dtype(getattr(jax.numpy, name, name))
+
+
+def export_name(cls: type) -> str:
+    """The name under which `jax.export` serializes `cls`."""
+    return f"{_EXPORT_PREFIX}{cls.__module__}.{cls.__qualname__}"
+
+
+def _register_export(cls: type) -> None:
+    name = export_name(cls)
+
+    def serialize(aux: Any) -> bytes:
+        return encode_aux(aux, cls).encode()
+
+    def deserialize(data: bytes) -> Any:
+        return decode_aux(data.decode())
+
+    # A class defined again under the same name (a re-run cell) replaces the old one.
+    forget_export_serialization(cls, name)
+    jax.export.register_pytree_node_serialization(
+        cls,
+        serialized_name=name,
+        serialize_auxdata=serialize,
+        deserialize_auxdata=deserialize,
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# flax.serialization
+
+
+def _named_children(x: Any) -> tuple[list, list, Any]:
+    """Names, values and one-level treedef of the pytree children of `x`."""
+    keyed, treedef = jax.tree_util.tree_flatten_with_path(
+        x, is_leaf=lambda y: y is not x
+    )
+    names = [getattr(path[0], "name", str(path[0])) for path, _ in keyed]
+    return names, [v for _, v in keyed], treedef
+
+
+def _fields(x: Any) -> set[str]:
+    return {f.name for f in dataclasses.fields(x)}
+
+
+def _register_flax(serialization: Any, cls: type) -> None:
+    def to_state_dict(x: Any) -> dict[str, Any]:
+        names, values, _ = _named_children(x)
+        fields = _fields(x)
+        return {
+            n: serialization.to_state_dict(v)
+            for n, v in zip(names, values)
+            if n in fields
+        }
+
+    def from_state_dict(target: Any, state: dict[str, Any]) -> Any:
+        names, values, treedef = _named_children(target)
+        fields = _fields(target)
+        missing = [n for n in names if n in fields and n not in state]
+        if missing:
+            raise ValueError(
+                f"The state dict for {cls.__name__} lacks the field(s) {missing} "
+                f"(it has {sorted(state)}). Restore with a target of the same type "
+                "and fields as the one that was saved."
+            )
+        new = [
+            serialization.from_state_dict(v, state[n], name=n) if n in fields else v
+            for n, v in zip(names, values)
+        ]
+        return treedef.unflatten(new)
+
+    serialization.register_serialization_state(
+        cls, to_state_dict, from_state_dict, override=True
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# Registration when a module is imported, without importing it.
+
+_lock = threading.Lock()
+_waiting: dict[str, list[Callable[[Any], None]]] = {}
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs the callbacks waiting for a module right after that module executes."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in _waiting:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        spec.loader = _CallbackLoader(loader)
+        return spec
+
+
+class _CallbackLoader(importlib.abc.Loader):
+    def __init__(self, loader: Any):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        # The module keeps its real loader (resources, reload).
+        module.__loader__ = self._loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        _run_waiting(module.__name__, module)
+
+
+_finder = _AfterImport()
+
+
+def _run_waiting(name: str, module: Any) -> None:
+    with _lock:
+        callbacks = _waiting.pop(name, [])
+    for callback in callbacks:
+        callback(module)
+
+
+def when_imported(name: str, callback: Callable[[Any], None]) -> None:
+    """Call `callback(module)` now if `name` is imported, else right after its import."""
+    module = sys.modules.get(name)
+    if module is not None:
+        callback(module)
+        return
+    with _lock:
+        _waiting.setdefault(name, []).append(callback)
+        if _finder not in sys.meta_path:
+            sys.meta_path.insert(0, _finder)
+
+
+# The latest class defined under each export name (for `qax.checkpoint.rebuild`).
+classes: dict[str, type] = {}
+
+
+def encode_aux(aux: Any, cls: type) -> str:
+    """The static metadata `aux` of a `cls` node as JSON text."""
+    return json.dumps(_encode(aux, "aux", cls))
+
+
+def decode_aux(text: str) -> Any:
+    return _decode(json.loads(text))
+
+
+def register(cls: type) -> None:
+    """Register a new `ImplicitArray` subclass with `jax.export` and Flax."""
+    classes[export_name(cls)] = cls
+    _register_export(cls)
+    when_imported("flax.serialization", lambda module: _register_flax(module, cls))

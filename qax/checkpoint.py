@@ -1,0 +1,166 @@
+"""Checkpoints (orbax) of pytrees that hold implicit arrays.
+
+An implicit array is a pytree whose leaves are its declared fields, so orbax saves and
+restores it like any other pytree: restoring with a template (``jax.tree.map(
+ocp.utils.to_shape_dtype_struct, state)``) gives the implicit arrays back with their
+types. Restoring *without* a template gives orbax's plain containers: each implicit
+array comes back as a dict of its fields, and a field-less one (a
+`qax.symbols.SymbolicConstant`) as ``None``. To get the types back there, save the
+description of the implicit arrays as custom metadata and `rebuild` after restoring:
+
+>>> ckpt = ocp.StandardCheckpointer()
+>>> ckpt.save(path, state, custom_metadata={"qax": qax.checkpoint.describe(state)})
+>>> raw = ckpt.restore(path)  # no template
+>>> state = qax.checkpoint.rebuild(raw, ckpt.metadata(path).custom_metadata["qax"])
+
+`describe` is JSON: class names (as registered for `jax.export`) and static metadata.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from . import _integrations
+from ._base import is_implicit
+from ._implicit_array import _pytree_functions
+
+__all__ = ["describe", "rebuild"]
+
+_NO_DESCRIPTION = (
+    "qax.checkpoint.rebuild needs the description saved with the checkpoint, got "
+    "{got!r}. Save it with `custom_metadata={{'qax': qax.checkpoint.describe(state)}}` "
+    "and pass `checkpointer.metadata(path).custom_metadata['qax']`, or restore with a "
+    "template: `checkpointer.restore(path, jax.tree.map("
+    "ocp.utils.to_shape_dtype_struct, state))`."
+)
+_UNKNOWN_CLASS = (
+    "The checkpoint holds a {name}, a class not defined in this process. Import the "
+    "module that defines it before `qax.checkpoint.rebuild`."
+)
+_MISSING = (
+    "The restored tree has no {what} at {path} where the checkpoint description "
+    "expects a {cls}. Restore the checkpoint the description was saved with."
+)
+
+
+def _key(k: Any) -> Any:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return getattr(k, attr)
+    return str(k)
+
+
+def _describe_one(x: Any) -> dict:
+    cls, aux = jax.tree_util.tree_structure(x, is_leaf=lambda y: y is not x).node_data()
+    fields = {}
+    for name in cls._qax_child_names():
+        child = x.__dict__[name]
+        fields[name] = _describe_one(child) if is_implicit(child) else None
+    return {
+        "type": _integrations.export_name(cls),
+        "aux": _integrations.encode_aux(aux, cls),
+        "fields": fields,
+    }
+
+
+def describe(tree: Any) -> dict:
+    """A JSON description of the implicit arrays in `tree`, for `rebuild`.
+
+    >>> qax.checkpoint.describe({"z": SymbolicConstant(0.0, shape=(2,))})["implicit"][0]["path"]
+    ['z']
+
+    Args:
+      tree: the pytree to be saved (parameters, optimizer state, ...).
+
+    Returns:
+      A dict of JSON types: for each implicit array, its path, class and metadata.
+
+    Raises:
+      TypeError: an implicit array's static metadata cannot be encoded (see
+        `jax.export` support in the README).
+    """
+    found = []
+    keyed, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_implicit)
+    for path, leaf in keyed:
+        if is_implicit(leaf):
+            found.append({"path": [_key(k) for k in path], **_describe_one(leaf)})
+    return {"format": 1, "implicit": found}
+
+
+def _child(node: Any, key: Any) -> Any:
+    if isinstance(node, dict):
+        if key in node:
+            return node[key]
+        if str(key) in node:
+            return node[str(key)]
+        raise KeyError(key)
+    if isinstance(node, (list, tuple)) and isinstance(key, int):
+        return node[key]
+    return getattr(node, str(key))
+
+
+def _replace(node: Any, path: list, value: Any, where: list) -> Any:
+    if not path:
+        return value
+    key, rest = path[0], path[1:]
+    child = _child(node, key)
+    new = _replace(child, rest, value, [*where, key])
+    if isinstance(node, dict):
+        out = dict(node)
+        out[key if key in node else str(key)] = new
+        return out
+    if isinstance(node, list):
+        return [new if i == key else v for i, v in enumerate(node)]
+    if isinstance(node, tuple):
+        return type(node)(*(new if i == key else v for i, v in enumerate(node)))
+    raise TypeError(f"Cannot rebuild inside a {type(node).__name__} at {where}.")
+
+
+def _build(raw: Any, desc: dict, where: list) -> Any:
+    cls = _integrations.classes.get(desc["type"])
+    if cls is None:
+        raise TypeError(_UNKNOWN_CLASS.format(name=desc["type"]))
+    children = []
+    for name, sub in desc["fields"].items():
+        try:
+            value = _child(raw, name)
+        except (KeyError, AttributeError, TypeError):
+            raise ValueError(
+                _MISSING.format(what=f"field {name!r}", path=where, cls=cls.__name__)
+            ) from None
+        children.append(value if sub is None else _build(value, sub, [*where, name]))
+    unflatten = _pytree_functions(cls)[2]
+    return unflatten(_integrations.decode_aux(desc["aux"]), children)
+
+
+def rebuild(raw: Any, description: dict) -> Any:
+    """Turn the implicit arrays of a template-less restore back into their types.
+
+    Args:
+      raw: what ``checkpointer.restore(path)`` returned (no template).
+      description: `describe` of the saved tree, as saved in the checkpoint.
+
+    Returns:
+      `raw` with each described implicit array rebuilt from its fields.
+
+    Raises:
+      ValueError: `description` is not one from `describe`, or `raw` lacks a field.
+      TypeError: the class of a saved implicit array is not defined in this process.
+    """
+    if not isinstance(description, dict) or "implicit" not in description:
+        raise ValueError(_NO_DESCRIPTION.format(got=description))
+    out = raw
+    for entry in description["implicit"]:
+        path = entry["path"]
+        try:
+            node = raw
+            for key in path:
+                node = _child(node, key)
+        except (KeyError, AttributeError, IndexError, TypeError):
+            raise ValueError(
+                _MISSING.format(what="value", path=path, cls=entry["type"])
+            ) from None
+        out = _replace(out, path, _build(node, entry, path), [])
+    return out
