@@ -2,6 +2,7 @@
 
 from . import _higher_order as _higher_order  # noqa: F401 (registers structural rules)
 from . import constants as constants
+from . import sharding as sharding
 from . import symbols as symbols
 from . import testing as testing
 from . import utils as utils
@@ -45,6 +46,7 @@ __all__ = [
     "materialization_policy",
     "materialize_nested",
     "primitive_handler",
+    "sharding",
     "symbols",
     "testing",
     "use_implicit_args",
