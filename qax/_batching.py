@@ -46,7 +46,7 @@ _UNDECLARED = (
 
 def array_field(
     *,
-    ndim: int,
+    ndim: int | str,
     follows: tuple[int | None, ...] | None = None,
     metadata: dict | None = None,
     **kwargs: Any,
@@ -70,13 +70,29 @@ def array_field(
     >>> stacked.shape
     (4, 6, 5)
 
+    When the rank differs between instances (a weight type used for matrices and for
+    conv kernels), `ndim` names an `aux_field` that holds it. If that field is `None`
+    when an instance is constructed, the instance is unbatched: the field is set to the
+    rank of this field's value.
+
+    >>> @dataclass
+    ... class Scaled(qax.ImplicitArray):
+    ...     x: qax.ArrayValue = qax.array_field(ndim="x_ndim")
+    ...     s: qax.ArrayValue = qax.array_field(ndim=0)
+    ...     x_ndim: int | None = qax.aux_field(default=None)
+    >>> Scaled(jnp.ones((3, 3, 3)), jnp.ones(())).x_ndim
+    3
+
     Args:
       ndim: the number of dimensions of this field in one unbatched array (for a field
-        holding an implicit array: the rank of the array it represents).
-      follows: optional, one entry per unbatched dimension of the field: the dimension
-        of the represented (unbatched) array it runs along, or `None` for a dimension of
-        its own (a LoRA rank, a size-1 scale axis). `qax.sharding` partitions the field
-        along the dimensions it follows (LoRA's ``a`` [m, r]: ``follows=(0, None)``).
+        holding an implicit array: the rank of the array it represents), or the name
+        of an `aux_field` holding that number.
+      follows: optional, one entry per unbatched dimension of the field (so `ndim` must
+        be a number): the dimension of the represented (unbatched) array it runs along,
+        or `None` for a dimension of its own (a LoRA rank, a size-1 scale axis).
+        `qax.sharding` partitions the field along the dimensions it follows (LoRA's
+        ``a`` [m, r]: ``follows=(0, None)``). Types whose ranks vary per instance
+        declare this with a `field_dims()` method instead (see `qax.sharding`).
       metadata: extra dataclass field metadata.
       **kwargs: passed to `dataclasses.field` (e.g. `default`).
 
@@ -87,21 +103,31 @@ def array_field(
       ValueError: `ndim` is not a non-negative integer, or `follows` does not give
         one dimension (or `None`) for each of the field's `ndim` dimensions.
     """
-    if isinstance(ndim, bool) or not isinstance(ndim, int) or ndim < 0:
-        raise ValueError(f"array_field(ndim=...) takes an integer >= 0, got {ndim!r}.")
+    if not isinstance(ndim, str) and (
+        isinstance(ndim, bool) or not isinstance(ndim, int) or ndim < 0
+    ):
+        raise ValueError(
+            "array_field(ndim=...) takes an integer >= 0 or the name of an aux_field, "
+            f"got {ndim!r}."
+        )
     metadata = dict(metadata) if metadata else {}
     metadata[NDIM] = ndim
     if follows is not None:
         follows = tuple(follows)
-        if len(follows) != ndim or not all(
-            d is None or (isinstance(d, int) and not isinstance(d, bool) and d >= 0)
-            for d in follows
+        if (
+            isinstance(ndim, str)
+            or len(follows) != ndim
+            or not all(
+                d is None or (isinstance(d, int) and not isinstance(d, bool) and d >= 0)
+                for d in follows
+            )
         ):
             raise ValueError(
                 f"array_field(ndim={ndim}, follows={follows!r}): `follows` needs one "
                 "entry per dimension of the field, each a dimension of the represented "
                 "array (an integer >= 0) or None (a dimension of the field's own), e.g. "
-                "`follows=(0, None)` for a LoRA factor `a` of shape [m, rank]."
+                "`follows=(0, None)` for a LoRA factor `a` of shape [m, rank]. A type "
+                "whose ranks vary per instance defines `field_dims()` instead."
             )
         metadata[FOLLOWS] = follows
     return dataclasses.field(metadata=metadata, **kwargs)
@@ -117,11 +143,18 @@ class Fields:
 
     children: tuple[str, ...]
     aux: tuple[str, ...]
-    ndims: tuple[int | None, ...]
+    ndims: tuple[int | str | None, ...]
+    dynamic: bool = False  # some rank is held by an aux field
 
     @property
     def declared(self) -> bool:
         return all(n is not None for n in self.ndims)
+
+    def ranks(self, d: dict) -> tuple:
+        """The declared ranks of the children of the instance whose `__dict__` is `d`."""
+        if not self.dynamic:
+            return self.ndims
+        return tuple(d.get(n) if isinstance(n, str) else n for n in self.ndims)
 
 
 def fields_of(cls: type) -> Fields:
@@ -136,7 +169,14 @@ def fields_of(cls: type) -> Fields:
             else:
                 children.append(f.name)
                 ndims.append(f.metadata.get(NDIM))
-        cached = Fields(tuple(children), tuple(aux), tuple(ndims))
+        for name, ndim in zip(children, ndims):
+            if isinstance(ndim, str) and ndim not in aux:
+                raise TypeError(
+                    f"{cls.__name__}.{name} is declared with array_field(ndim={ndim!r}), "
+                    f"but {cls.__name__} has no aux_field named {ndim!r} to hold it."
+                )
+        dynamic = any(isinstance(n, str) for n in ndims)
+        cached = Fields(tuple(children), tuple(aux), tuple(ndims), dynamic)
         type.__setattr__(cls, "_qax_fields", cached)
     return cached
 
@@ -191,13 +231,15 @@ def batch_shape_of(x: ImplicitBase) -> Any:
     if not fields.declared or not fields.children:
         return ()
     d = x.__dict__
-    return leaf_batch_shape([d.get(n) for n in fields.children], fields.ndims)
+    return leaf_batch_shape([d.get(n) for n in fields.children], fields.ranks(d))
 
 
 def leaf_batch_shape(children: list, ndims: tuple) -> Any:
     """`batch_shape_of` for a declared type, fast: its children in field order."""
     found = None
     for child, ndim in zip(children, ndims):
+        if ndim is None:
+            return None
         shape = getattr(child, "shape", None)
         if shape is not None:
             shapes = (shape,)
@@ -227,13 +269,24 @@ _DISAGREE = (
 
 
 def check_batch(x: ImplicitBase) -> int:
-    """The number of batch dimensions of a new instance, or a clear error."""
+    """The number of batch dimensions of a new instance, or a clear error.
+
+    Aux fields that hold a rank and are `None` get the rank of their field's value.
+    """
+    fields = fields_of(type(x))
+    if fields.dynamic:
+        d = x.__dict__
+        for name, ndim in zip(fields.children, fields.ndims, strict=True):
+            if isinstance(ndim, str) and d.get(ndim) is None:
+                shapes = _leading(d.get(name))
+                if shapes:
+                    d[ndim] = len(shapes[0])
     batch = batch_shape_of(x)
     if batch is None:
         fields = fields_of(type(x))
         detail = ", ".join(
             f"`{n}` {_describe_shapes(x.__dict__.get(n))} (ndim={k})"
-            for n, k in zip(fields.children, fields.ndims, strict=True)
+            for n, k in zip(fields.children, fields.ranks(x.__dict__), strict=True)
         )
         raise ValueError(_DISAGREE.format(cls=type(x).__name__, detail=detail))
     return 0 if batch is NO_ARRAYS else len(batch)

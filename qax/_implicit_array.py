@@ -74,6 +74,7 @@ def _pytree_functions(cls: type) -> tuple[Callable, Callable, Callable]:
     # (after `vmap`, `scan` or a `tree_map` sliced or stacked them); any other keeps
     # the shape it had when it was flattened.
     declared = fields.declared and bool(names)
+    dynamic = fields.dynamic
 
     def aux_data(d: dict) -> tuple:
         aux = tuple([d[n] for n in aux_names]) if aux_names else ()
@@ -95,7 +96,7 @@ def _pytree_functions(cls: type) -> tuple[Callable, Callable, Callable]:
         if aux_names:
             d.update(zip(aux_names, aux_values))
         if declared and nb is not None and shape is not None:
-            batch = leaf_batch_shape(children, ndims)
+            batch = leaf_batch_shape(children, fields.ranks(d) if dynamic else ndims)
             if batch is None:
                 nb = None  # leaves that do not fit the declaration (see _check_entry)
             elif batch is not NO_ARRAYS and (len(batch) != nb or shape[:nb] != batch):

@@ -393,3 +393,40 @@ def test_orbax_round_trip_of_implicit_params(tmp_path):
         jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(params)
     ):
         np.testing.assert_array_equal(got, want)
+
+
+@dataclass
+class Kernel(qax.ImplicitArray):
+    """A scaled weight of any rank: the rank is per instance, held by an aux field."""
+
+    x: qax.ArrayValue = qax.array_field(ndim="x_ndim")
+    s: qax.ArrayValue = qax.array_field(ndim=0)
+    x_ndim: int | None = qax.aux_field(default=None)
+
+    def materialize(self):
+        return self.x * self.s
+
+
+def test_ranks_held_by_an_aux_field():
+    conv = Kernel(jnp.ones((3, 3, 2, 4)), jnp.asarray(2.0))
+    assert conv.x_ndim == 4 and conv.shape == (3, 3, 2, 4)
+    matrix = Kernel(jnp.ones((2, 4)), jnp.asarray(2.0))
+    assert matrix.x_ndim == 2
+    stacked = jax.vmap(lambda s: Kernel(jnp.ones((2, 4)) * s, s))(jnp.arange(3.0))
+    assert isinstance(stacked, Kernel) and stacked.shape == (3, 2, 4)
+    assert stacked.x_ndim == 2 and stacked.s.shape == (3,)
+    scales = jnp.arange(3.0)
+    built = Kernel(jnp.ones((3, 2, 4)) * scales[:, None, None], scales, x_ndim=2)
+    assert built.shape == (3, 2, 4)
+    assert_close(built.materialize(), stacked.materialize())
+    with qax.materialization_policy(Kernel, "error"):
+        rows = qax.use_implicit_args(lambda k: lax.map(lambda r: r.shape[0] * 1.0, k))
+        rows(stacked)
+    with pytest.raises(TypeError, match="no aux_field named"):
+
+        @dataclass
+        class Broken(qax.ImplicitArray):
+            x: qax.ArrayValue = qax.array_field(ndim="missing")
+
+            def materialize(self):
+                return self.x
