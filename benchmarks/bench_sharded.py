@@ -313,11 +313,6 @@ def collectives(hlo_text: str) -> dict[str, tuple[int, int]]:
     return {op: (found[op][0], found[op][1]) for op in COLLECTIVES}
 
 
-def compiled_collectives(setup: Setup) -> dict[str, tuple[int, int]]:
-    compiled = setup.jitted().lower(*setup.placed()).compile()
-    return collectives(compiled.as_text())
-
-
 # ----------------------------------------------------------------------------------------
 # Benchmark
 
@@ -342,7 +337,11 @@ def main(argv: list[str] | None = None) -> None:
         for layout in LAYOUTS:
             print(f"{kind} / {layout} ...", file=sys.stderr)
             setups = build(cfg, kind, layout, mesh)
-            comm = {n: compiled_collectives(s) for n, s in setups.items()}
+            placed = {n: s.placed() for n, s in setups.items()}
+            compiled = {
+                n: s.jitted().lower(*placed[n]).compile() for n, s in setups.items()
+            }
+            comm = {n: collectives(c.as_text()) for n, c in compiled.items()}
             total = {n: [0, 0] for n in comm}
             for op in COLLECTIVES:
                 (qc, qb), (hc, hb) = comm["qax"][op], comm["hand"][op]
@@ -360,11 +359,9 @@ def main(argv: list[str] | None = None) -> None:
             if qb > hb:
                 notes.append(f"{kind}/{layout}: qax moves MORE bytes than hand-written")
 
-            jitted = {n: s.jitted() for n, s in setups.items()}
-            placed = {n: s.placed() for n, s in setups.items()}
             times = interleaved(
                 {
-                    n: (lambda f=jitted[n], a=placed[n]: jax.block_until_ready(f(*a)))
+                    n: (lambda f=compiled[n], a=placed[n]: jax.block_until_ready(f(*a)))
                     for n in setups
                 },
                 reps,
