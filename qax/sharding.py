@@ -21,7 +21,7 @@ declares nothing is replicated when the spec partitions only batch dimensions, a
 an error otherwise. Fields holding implicit arrays (QLoRA: a LoRA whose ``w`` is
 quantized) get the spec of the array they hold, and their own leaves follow from it.
 
->>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+>>> mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
 >>> shardings = qax.sharding.implicit_shardings(params, specs, mesh)
 >>> params = jax.device_put(params, shardings)
 >>> step = jax.jit(train_step, in_shardings=(shardings, ...), out_shardings=...)
@@ -194,7 +194,7 @@ def implicit_shardings(tree: Any, specs: Any, mesh: jax.sharding.Mesh) -> Any:
     The result has the structure of `tree`, so it serves `jax.device_put(tree, ...)`,
     `jax.jit(..., in_shardings=..., out_shardings=...)` and orbax restore targets.
 
-    >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
     >>> shardings = qax.sharding.implicit_shardings(params, specs, mesh)
     >>> params = jax.device_put(params, shardings)
 

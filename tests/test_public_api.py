@@ -7,7 +7,14 @@ import pytest
 
 import qax
 
-PUBLIC_MODULES = ["qax", "qax.constants", "qax.utils", "qax.symbols", "qax.testing"]
+PUBLIC_MODULES = [
+    "qax",
+    "qax.constants",
+    "qax.utils",
+    "qax.symbols",
+    "qax.testing",
+    "qax.sharding",
+]
 
 
 def _module(name):
