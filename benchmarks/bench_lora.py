@@ -65,9 +65,11 @@ import qax  # noqa: E402
 class LoraMatrix(qax.ImplicitArray):
     """``w + a @ b.T``, never formed: matmuls against it run the two products."""
 
-    w: qax.ArrayValue = qax.array_field(ndim=2)
-    a: qax.ArrayValue = qax.array_field(ndim=2)
-    b: qax.ArrayValue = qax.array_field(ndim=2)
+    # `follows`: the weight dimension each factor dimension runs along (for
+    # `qax.sharding`; see benchmarks/bench_sharded.py).
+    w: qax.ArrayValue = qax.array_field(ndim=2, follows=(0, 1))
+    a: qax.ArrayValue = qax.array_field(ndim=2, follows=(0, None))
+    b: qax.ArrayValue = qax.array_field(ndim=2, follows=(1, None))
 
     def compute_shape(self):
         return self.w.shape

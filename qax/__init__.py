@@ -3,6 +3,7 @@
 from . import _higher_order as _higher_order  # noqa: F401 (registers structural rules)
 from . import checkpoint as checkpoint
 from . import constants as constants
+from . import sharding as sharding
 from . import symbols as symbols
 from . import testing as testing
 from . import utils as utils
@@ -54,6 +55,7 @@ __all__ = [
     "materialize_nested",
     "primitive_handler",
     "quant",
+    "sharding",
     "symbols",
     "testing",
     "use_implicit_args",

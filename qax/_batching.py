@@ -33,6 +33,7 @@ from ._interpreter import MaterializationEvent, _source_line, report
 AUX = "qax_aux"
 NDIM = "qax_ndim"
 NB = "_qax_nb"
+FOLLOWS = "qax_follows"
 
 _UNDECLARED = (
     "`{primitive}` {action} {cls} along axis {axis}, but {why}, so it is materialized. "
@@ -43,7 +44,13 @@ _UNDECLARED = (
 )
 
 
-def array_field(*, ndim: int | str, metadata: dict | None = None, **kwargs: Any) -> Any:
+def array_field(
+    *,
+    ndim: int | str,
+    follows: tuple[int | None, ...] | None = None,
+    metadata: dict | None = None,
+    **kwargs: Any,
+) -> Any:
     """A child field whose leaves have `ndim` dimensions in one unbatched array.
 
     Declaring every array field this way lets `vmap`, `lax.scan` and `lax.map` slice and
@@ -80,6 +87,12 @@ def array_field(*, ndim: int | str, metadata: dict | None = None, **kwargs: Any)
       ndim: the number of dimensions of this field in one unbatched array (for a field
         holding an implicit array: the rank of the array it represents), or the name
         of an `aux_field` holding that number.
+      follows: optional, one entry per unbatched dimension of the field (so `ndim` must
+        be a number): the dimension of the represented (unbatched) array it runs along,
+        or `None` for a dimension of its own (a LoRA rank, a size-1 scale axis).
+        `qax.sharding` partitions the field along the dimensions it follows (LoRA's
+        ``a`` [m, r]: ``follows=(0, None)``). Types whose ranks vary per instance
+        declare this with a `field_dims()` method instead (see `qax.sharding`).
       metadata: extra dataclass field metadata.
       **kwargs: passed to `dataclasses.field` (e.g. `default`).
 
@@ -87,7 +100,8 @@ def array_field(*, ndim: int | str, metadata: dict | None = None, **kwargs: Any)
       A dataclass field.
 
     Raises:
-      ValueError: `ndim` is not a non-negative integer.
+      ValueError: `ndim` is not a non-negative integer, or `follows` does not give
+        one dimension (or `None`) for each of the field's `ndim` dimensions.
     """
     if not isinstance(ndim, str) and (
         isinstance(ndim, bool) or not isinstance(ndim, int) or ndim < 0
@@ -98,6 +112,24 @@ def array_field(*, ndim: int | str, metadata: dict | None = None, **kwargs: Any)
         )
     metadata = dict(metadata) if metadata else {}
     metadata[NDIM] = ndim
+    if follows is not None:
+        follows = tuple(follows)
+        if (
+            isinstance(ndim, str)
+            or len(follows) != ndim
+            or not all(
+                d is None or (isinstance(d, int) and not isinstance(d, bool) and d >= 0)
+                for d in follows
+            )
+        ):
+            raise ValueError(
+                f"array_field(ndim={ndim}, follows={follows!r}): `follows` needs one "
+                "entry per dimension of the field, each a dimension of the represented "
+                "array (an integer >= 0) or None (a dimension of the field's own), e.g. "
+                "`follows=(0, None)` for a LoRA factor `a` of shape [m, rank]. A type "
+                "whose ranks vary per instance defines `field_dims()` instead."
+            )
+        metadata[FOLLOWS] = follows
     return dataclasses.field(metadata=metadata, **kwargs)
 
 

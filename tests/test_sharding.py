@@ -1,18 +1,31 @@
 """Implicit arrays under JAX's own sharding, on 8 simulated CPU devices.
 
-The device count must be fixed before JAX starts, so the cases (`_sharding_cases.py`)
-run in a child pytest process with `XLA_FLAGS=--xla_force_host_platform_device_count=8`.
+The device count must be fixed before JAX starts, so the cases (`_sharding_cases.py`:
+single primitives; `_sharded_training_cases.py`: LoRA / QLoRA training on a 2x4 mesh)
+run in child pytest processes with `XLA_FLAGS=--xla_force_host_platform_device_count=8`.
+The `qax.sharding` spec derivation is tested here, in this process.
 """
 
 import os
 import pathlib
 import subprocess
 import sys
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import qax
 
 HERE = pathlib.Path(__file__).resolve().parent
 
 
-def test_sharding_cases_on_eight_devices():
+@pytest.mark.parametrize("cases", ["_sharding_cases.py", "_sharded_training_cases.py"])
+def test_cases_on_eight_devices(cases):
     env = dict(os.environ)
     env["XLA_FLAGS"] = (
         env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -26,7 +39,7 @@ def test_sharding_cases_on_eight_devices():
             "-q",
             "-p",
             "no:cacheprovider",
-            str(HERE / "_sharding_cases.py"),
+            str(HERE / cases),
         ],
         cwd=HERE.parent,
         env=env,
@@ -37,3 +50,156 @@ def test_sharding_cases_on_eight_devices():
     report = proc.stdout + proc.stderr
     assert proc.returncode == 0, report
     assert " passed" in report and "skipped" not in report.split("\n")[-2], report
+
+
+# ----------------------------------------------------------------------------------------
+# `qax.sharding`: leaf specs derived from the dense array's spec, as the types declare
+
+
+@dataclass
+class _Lora(qax.ImplicitArray):
+    w: qax.ArrayValue = qax.array_field(ndim=2, follows=(0, 1))
+    a: qax.ArrayValue = qax.array_field(ndim=2, follows=(0, None))
+    b: qax.ArrayValue = qax.array_field(ndim=2, follows=(1, None))
+
+    def materialize(self):
+        return self.w + self.a @ jnp.swapaxes(self.b, -1, -2)
+
+
+@dataclass
+class _Int8(qax.ImplicitArray):
+    q: qax.ArrayValue = qax.array_field(ndim=2, follows=(0, 1))
+    scale: qax.ArrayValue = qax.array_field(ndim=1, follows=(1,))
+
+    def compute_shape(self):
+        return self.q.shape
+
+    def compute_dtype(self):
+        return self.scale.dtype
+
+    def materialize(self):
+        return self.q.astype(self.scale.dtype) * self.scale
+
+
+@dataclass
+class _RankFree(qax.ImplicitArray):
+    """`w + tensordot(a, b, 1)` for any split of `w`'s dims: declares by a method."""
+
+    w: qax.ArrayValue
+    a: qax.ArrayValue
+    b: qax.ArrayValue
+
+    def field_dims(self):
+        k = self.a.ndim - 1
+        n = self.w.ndim
+        return {
+            "w": tuple(range(n)),
+            "a": (*range(k), None),
+            "b": (None, *range(k, n)),
+        }
+
+    def materialize(self):
+        return self.w + jnp.tensordot(self.a, self.b, 1)
+
+
+@dataclass
+class _Undeclared(qax.ImplicitArray):
+    w: qax.ArrayValue
+    default_dtype = jnp.float32
+
+    def materialize(self):
+        return self.w
+
+
+def _lora(lead=()):
+    return _Lora(
+        jnp.zeros((*lead, 8, 6)), jnp.zeros((*lead, 8, 2)), jnp.zeros((*lead, 6, 2))
+    )
+
+
+def _fields(specs):
+    return {
+        k: v for k, v in vars(specs).items() if isinstance(v, (P, qax.ImplicitBase))
+    }
+
+
+@pytest.mark.parametrize(
+    ("spec", "want"),
+    [
+        (P(None, "m"), {"w": P(None, "m"), "a": P(None, None), "b": P("m", None)}),
+        (P("m", None), {"w": P("m", None), "a": P("m", None), "b": P(None, None)}),
+        (P(("d", "m")), {"w": P(("d", "m"), None), "a": P(("d", "m"), None)}),
+        (P(), {"w": P(None, None), "a": P(None, None), "b": P(None, None)}),
+    ],
+    ids=["column", "row", "fsdp", "replicated"],
+)
+def test_implicit_specs_follow_the_declared_dims(spec, want):
+    got = _fields(qax.sharding.implicit_specs({"w": _lora()}, {"w": spec})["w"])
+    assert {k: got[k] for k in want} == want
+
+
+def test_implicit_specs_batch_dims_lead():
+    got = qax.sharding.implicit_specs(_lora((3,)), P("d", None, "m"))
+    assert (got.w, got.a, got.b) == (
+        P("d", None, "m"),
+        P("d", None, None),
+        P("d", "m", None),
+    )
+
+
+def test_implicit_specs_nested_quantized_base():
+    q = _Int8(jnp.zeros((8, 6), jnp.int8), jnp.ones((6,)))
+    lora = _Lora(q, jnp.zeros((8, 2)), jnp.zeros((6, 2)))
+    got = qax.sharding.implicit_specs(lora, P(None, "m"))
+    assert isinstance(got.w, _Int8)
+    assert (got.w.q, got.w.scale, got.a, got.b) == (
+        P(None, "m"),
+        P("m"),
+        P(None, None),
+        P("m", None),
+    )
+
+
+def test_implicit_specs_by_method_and_prefix():
+    w = _RankFree(jnp.zeros((4, 3, 6)), jnp.zeros((4, 3, 2)), jnp.zeros((2, 6)))
+    tree = {"layer": {"w": w, "bias": jnp.zeros(6)}, "other": jnp.zeros(5)}
+    got = qax.sharding.implicit_specs(
+        tree, {"layer": {"w": P("d", None, "m"), "bias": P("m")}, "other": None}
+    )
+    assert (got["layer"]["w"].a, got["layer"]["w"].b) == (
+        P("d", None, None),
+        P(None, "m"),
+    )
+    assert got["layer"]["bias"] == P("m") and got["other"] == P()
+
+
+def test_implicit_shardings_places_leaves():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("d", "m"))
+    lora = _lora()
+    shardings = qax.sharding.implicit_shardings([lora], [P(None, "m")], mesh)
+    placed = jax.device_put([lora], shardings)[0]
+    assert isinstance(placed, _Lora)
+    assert placed.b.sharding == NamedSharding(mesh, P("m", None))
+
+
+@pytest.mark.parametrize(
+    ("value", "spec", "match"),
+    [
+        (_Undeclared(jnp.zeros((4, 4))), P("m"), "does not declare"),
+        (_lora(), P("d", "m", None), "has 3 entries"),
+    ],
+    ids=["undeclared", "too-long"],
+)
+def test_implicit_specs_errors(value, spec, match):
+    with pytest.raises(ValueError, match=match):
+        qax.sharding.implicit_specs(value, spec)
+
+
+def test_undeclared_type_may_be_replicated():
+    got = qax.sharding.implicit_specs(_Undeclared(jnp.zeros((4, 4))), P())
+    assert got.w == P()
+
+
+def test_array_field_rejects_bad_follows():
+    with pytest.raises(ValueError, match="one entry per dimension"):
+        qax.array_field(ndim=2, follows=(0,))
