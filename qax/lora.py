@@ -192,6 +192,19 @@ class LoraWeight(qax.ImplicitArray):
     def materialize(self) -> jax.Array:
         return self.base() + self.delta()
 
+    def field_dims(self) -> dict[str, tuple[int | None, ...]]:
+        """Which dimension of the weight each field dimension runs along (for
+        `qax.sharding`): ``w`` all of them, ``a`` those of ``A`` then the rank,
+        ``b`` the rank then those of ``B``."""
+        nb = _batch_ndim(jnp.ndim(self.w), jnp.ndim(self.a), jnp.ndim(self.b))
+        n_a = jnp.ndim(self.a) - nb - 1
+        n_w = jnp.ndim(self.w) - nb
+        return {
+            "w": tuple(range(n_w)),
+            "a": (*range(n_a), None),
+            "b": (None, *range(n_a, n_w)),
+        }
+
 
 _RANKED: dict[tuple[int, int, int], type] = {}
 

@@ -156,6 +156,13 @@ class QuantizedWeight(qax.ImplicitArray):
     def _scale_field(self) -> str:
         return "scale"
 
+    def field_dims(self) -> dict[str, tuple[int | None, ...]]:
+        """Which dimension of the weight each field dimension runs along (for
+        `qax.sharding`): codes and scales keep the weight's rank and run along its
+        dimensions (packed codes and group scales along the last one, in order)."""
+        rank = type(self)._qax_rank
+        return {name: tuple(range(rank)) for name in self._ARRAYS}
+
     def _rescaled(self, **changes: Any) -> QuantizedWeight:
         return dataclasses.replace(self, shape=None, dtype=None, **changes)
 
@@ -215,6 +222,17 @@ class Int8Weight(QuantizedWeight):
 
     def _decode(self, q: Any, scale: Any) -> jax.Array:
         return q.astype(self.dtype) * scale
+
+    def field_dims(self) -> dict[str, tuple[int | None, ...]]:
+        """The codes run along every dimension of the weight; the scales only along
+        the channel axis (their other dimensions have size 1)."""
+        rank = type(self)._qax_rank
+        nb = len(self.shape) - rank
+        channel = tuple(d != 1 for d in jnp.shape(self.scale)[nb:])
+        return {
+            "q": tuple(range(rank)),
+            "scale": tuple(i if keep else None for i, keep in enumerate(channel)),
+        }
 
 
 class Int4Weight(QuantizedWeight):

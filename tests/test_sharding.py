@@ -203,3 +203,27 @@ def test_undeclared_type_may_be_replicated():
 def test_array_field_rejects_bad_follows():
     with pytest.raises(ValueError, match="one entry per dimension"):
         qax.array_field(ndim=2, follows=(0,))
+
+
+def test_builtin_types_declare_how_their_fields_follow_the_weight():
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    import qax
+
+    w = jnp.ones((8, 128))
+    lora = qax.lora.LoraWeight(w, jnp.ones((8, 2)), jnp.zeros((2, 128)))
+    (got,) = qax.sharding.implicit_specs([lora], [P("data", "model")])
+    assert (got.w, got.a, got.b) == (
+        P("data", "model"),
+        P("data", None),
+        P(None, "model"),
+    )
+    int8 = qax.quant.Int8Weight.from_array(w)
+    (got,) = qax.sharding.implicit_specs([int8], [P("data", "model")])
+    assert (got.q, got.scale) == (P("data", "model"), P(None, "model"))
+    stacked = qax.quant.NF4Weight.from_array(jnp.ones((3, 8, 128)), batch_ndim=1)
+    qlora = qax.lora.LoraWeight(stacked, jnp.ones((3, 8, 2)), jnp.zeros((3, 2, 128)))
+    (got,) = qax.sharding.implicit_specs([qlora], [P(None, None, "model")])
+    assert got.w.packed == P(None, None, "model") and got.a == P(None, None, None)
+    assert got.b == P(None, None, "model")
