@@ -101,9 +101,11 @@ def test_nnx_loraify_state_and_train(qlora):
 
     @nnx.jit
     def step(model, opt):
-        loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, trainable))(
-            model
-        )
+        # NNX differentiates whole Variables: with a quantized base their `w` holds
+        # integer codes, which need allow_int (freeze_keys leaves them untouched).
+        loss, grads = nnx.value_and_grad(
+            loss_fn, argnums=nnx.DiffState(0, trainable), allow_int=qlora
+        )(model)
         opt.update(model, grads)
         return loss
 
