@@ -24,6 +24,11 @@ from ._interpreter import use_implicit_args as use_implicit_args
 from ._optax import freeze_keys as freeze_keys
 from ._tree_util import EmptyNode as EmptyNode
 
+# isort: split
+# Built-in types written with the public API above (they `import qax`).
+from . import lora as lora
+from . import quant as quant
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -41,10 +46,12 @@ __all__ = [
     "default_handler",
     "explain",
     "freeze_keys",
+    "lora",
     "materialization_audit",
     "materialization_policy",
     "materialize_nested",
     "primitive_handler",
+    "quant",
     "symbols",
     "testing",
     "use_implicit_args",

@@ -7,7 +7,15 @@ import pytest
 
 import qax
 
-PUBLIC_MODULES = ["qax", "qax.constants", "qax.utils", "qax.symbols", "qax.testing"]
+PUBLIC_MODULES = [
+    "qax",
+    "qax.constants",
+    "qax.utils",
+    "qax.symbols",
+    "qax.testing",
+    "qax.lora",
+    "qax.quant",
+]
 
 
 def _module(name):

@@ -1,0 +1,850 @@
+"""LoRA weights that are never formed: `LoraWeight`, `loraify`, `merge`, `split`, `combine`.
+
+A `LoraWeight` behaves like the dense weight ``w + (alpha / rank) * a @ b`` while storing
+only ``w`` and the two thin factors. Its handlers turn every way a model uses a weight into
+products with the factors, so ``w + a @ b`` is never built:
+
+- ``dot_general`` in any contraction layout (``x @ W``, ``x @ W.T``, ``W @ x``, ``einsum``
+  with batch dimensions, attention projections): ``x·W + s·((x·a)·b)`` (or ``(x·b)·a``,
+  whichever factor ``x`` contracts with);
+- ``conv_general_dilated`` (any spatial rank): a convolution with the factor that holds the
+  input and spatial axes, then a 1x1 product with the other one;
+- ``gather`` of rows (embedding lookups ``table[ids]``, ``jnp.take``): the rows of ``w``
+  and of ``a``, times ``b``;
+- ``transpose``, ``reshape`` (e.g. a fused QKV kernel viewed as ``(d, 3, d)``),
+  ``squeeze``, ``slice``, ``split`` (``jnp.split`` of a fused kernel),
+  ``convert_element_type`` (``w.astype(bf16)``: every field is cast, so bf16 compute over
+  f32 factors keeps f32 gradients), ``mul`` by a scalar, ``stop_gradient``: another
+  `LoraWeight`.
+
+**Factor layout.** For a weight ``w`` of shape ``(*A, *B)`` (``A`` the leading axes),
+``a`` has shape ``(*A, rank)`` and ``b`` has shape ``(rank, *B)``, and the weight stands
+for ``w + (alpha / rank) * tensordot(a, b, 1)``. For a Flax / NNX ``Dense`` kernel of shape
+``(in, out)`` (``y = x @ W``) that is ``a: (in, rank)``, ``b: (rank, out)``: ``a`` is the
+down-projection PEFT calls ``lora_A`` (its ``weight`` is ``a.T``) and ``b`` the
+up-projection ``lora_B`` (``weight`` = ``b.T``), so ``x @ W_eff = x @ w + s (x @ a) @ b``.
+For a Flax convolution kernel ``(*spatial, in, out)``, ``a`` is ``(*spatial, in, rank)``
+(a convolution with ``rank`` output channels) and ``b`` is ``(rank, out)`` (a 1x1
+convolution), as in PEFT's convolution LoRA. Equinox stores ``Linear`` weights as
+``(out, in)`` and convolutions as ``(out, in, *spatial)``: use ``a_ndim=1`` in `loraify`
+(``a: (out, rank)``, ``b: (rank, in, *spatial)``).
+
+**Gradients.** With ``freeze_w=True`` (the default) the handlers (and `materialize`) apply
+`jax.lax.stop_gradient` to ``w``: differentiating a loss with respect to a whole
+`LoraWeight` then computes no ``w``-sized gradient product at all (its gradient is zero);
+only ``a`` and ``b`` get gradients. The recipe for training is `split` / `combine`:
+
+>>> params = qax.lora.loraify(params, rank=8, key=jax.random.key(0), alpha=16.0)
+>>> adapters, base = qax.lora.split(params)
+>>> opt = optax.adam(1e-3)
+>>> opt_state = opt.init(adapters)          # moments for the factors only
+>>> @jax.jit
+... def step(adapters, opt_state, base, batch):
+...     def loss(adapters):
+...         return qax.use_implicit_args(loss_fn)(qax.lora.combine(adapters, base), batch)
+...     value, grads = jax.value_and_grad(loss)(adapters)
+...     updates, opt_state = opt.update(grads, opt_state, adapters)
+...     return optax.apply_updates(adapters, updates), opt_state, value
+
+``base`` may hold quantized weights (`qax.quant`): that is QLoRA. Nothing in ``base`` is
+differentiated, so integer leaves need no ``allow_int=True``.
+
+This module uses qax's public API only; copy it to write your own weight types.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import qax
+
+__all__ = [
+    "LoraAdapter",
+    "LoraWeight",
+    "combine",
+    "default_filter",
+    "loraify",
+    "merge",
+    "path_string",
+    "split",
+    "trainable_count",
+]
+
+_BAD_FACTORS = (
+    "LoraWeight: the factors do not fit the weight. For `w` of shape (*A, *B), `a` must "
+    "have shape (*A, rank) and `b` shape (rank, *B); got w {w}, a {a}, b {b}. "
+    "(For a Flax kernel of shape (in, out): a (in, rank), b (rank, out).)"
+)
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in jnp.shape(x))
+
+
+def _batch_ndim(w_ndim: int, a_ndim: int, b_ndim: int) -> int:
+    """Leading axes shared by all three fields (a stack of LoRA weights)."""
+    return a_ndim + b_ndim - 2 - w_ndim
+
+
+class LoraWeight(qax.ImplicitArray):
+    """The weight ``w + (alpha / rank) * tensordot(a, b, 1)``, stored as its factors.
+
+    ``w`` has shape ``(*A, *B)``, ``a`` shape ``(*A, rank)``, ``b`` shape ``(rank, *B)``
+    (see the module docstring for the layouts of Flax and Equinox weights). ``w`` may
+    itself be an implicit array, e.g. a `qax.quant.NF4Weight` (QLoRA). The dtype is what
+    JAX's type promotion gives for ``w``, ``a`` and ``b``.
+
+    >>> w = jnp.ones((4, 3)); a = jnp.ones((4, 2)); b = jnp.zeros((2, 3))
+    >>> lora = qax.lora.LoraWeight(w, a, b, alpha=4.0)
+    >>> qax.use_implicit_args(lambda x, w: x @ w)(jnp.ones((5, 4)), lora).shape
+    (5, 3)
+
+    Args:
+      w: the base weight (frozen).
+      a: the first factor, ``(*A, rank)``.
+      b: the second factor, ``(rank, *B)``; zero at initialisation in `loraify`.
+      alpha: the LoRA scale numerator: the update is scaled by ``alpha / rank``
+        (``None``: ``alpha = rank``, a scale of 1).
+      freeze_w: stop gradients into ``w`` (default ``True``).
+
+    Raises:
+      ValueError: the shapes of ``w``, ``a`` and ``b`` do not fit together.
+    """
+
+    w: qax.ArrayValue
+    a: qax.ArrayValue
+    b: qax.ArrayValue
+    alpha: float | None = qax.aux_field(default=None)
+    freeze_w: bool = qax.aux_field(default=True)
+
+    def __new__(cls, w: Any = None, a: Any = None, b: Any = None, *args, **kwargs):
+        # Batch axes are declared per field (`qax.array_field(ndim=...)`), and the
+        # ranks of w, a and b depend on the weight: each combination gets its own
+        # subclass, chosen here from the leaves. Leading axes shared by all three
+        # fields beyond those ranks are batch axes (a stack of LoRA weights).
+        if "_qax_lora_ranks" not in cls.__dict__ and None not in (w, a, b):
+            ndims = (len(jnp.shape(w)), len(jnp.shape(a)), len(jnp.shape(b)))
+            nb = _batch_ndim(*ndims)
+            if nb >= 0:
+                cls = _ranked(tuple(n - nb for n in ndims))
+        return object.__new__(cls)
+
+    def __post_init__(self) -> None:
+        w, a, b = _shape(self.w), _shape(self.a), _shape(self.b)
+        nb = _batch_ndim(len(w), len(a), len(b))
+        ok = nb >= 0 and len(a) - nb >= 2 and len(b) - nb >= 2
+        if ok:
+            core_a, core_b = a[nb:], b[nb:]
+            ok = (
+                w[:nb] == a[:nb] == b[:nb]
+                and core_a[-1] == core_b[0]
+                and core_a[:-1] + core_b[1:] == w[nb:]
+            )
+        if not ok:
+            raise ValueError(_BAD_FACTORS.format(w=w, a=a, b=b))
+        if self.alpha is not None:
+            object.__setattr__(self, "alpha", float(self.alpha))
+        super().__post_init__()
+
+    def compute_shape(self) -> tuple[int, ...]:
+        return _shape(self.w)
+
+    def compute_dtype(self) -> Any:
+        return jnp.result_type(self.w.dtype, self.a.dtype, self.b.dtype)
+
+    @property
+    def rank(self) -> int:
+        """The inner dimension of the factors."""
+        return int(
+            jnp.shape(self.b)[_batch_ndim(self.w.ndim, self.a.ndim, self.b.ndim)]
+        )
+
+    @property
+    def scale(self) -> float:
+        """``alpha / rank``: the factor applied to ``a @ b``."""
+        return 1.0 if self.alpha is None else self.alpha / self.rank
+
+    def base(self) -> Any:
+        """``w``, behind `jax.lax.stop_gradient` if ``freeze_w``, cast to ``dtype``."""
+        w = lax.stop_gradient(self.w) if self.freeze_w else self.w
+        return w if w.dtype == self.dtype else w.astype(self.dtype)
+
+    def delta(self) -> jax.Array:
+        """The dense update ``(alpha / rank) * tensordot(a, b, 1)`` (for `merge`)."""
+        nb = _batch_ndim(self.w.ndim, self.a.ndim, self.b.ndim)
+        lead, rank = _shape(self.a)[:nb], self.rank
+        a_core, b_core = _shape(self.a)[nb:-1], _shape(self.b)[nb + 1 :]
+        a = jnp.reshape(self.a, (*lead, math.prod(a_core), rank))
+        b = jnp.reshape(self.b, (*lead, rank, math.prod(b_core)))
+        ab = jnp.reshape(jnp.matmul(a * self.scale, b), (*lead, *a_core, *b_core))
+        return ab.astype(self.dtype)
+
+    def materialize(self) -> jax.Array:
+        return self.base() + self.delta()
+
+
+_RANKED: dict[tuple[int, int, int], type] = {}
+
+
+def _ranked(ranks: tuple[int, int, int]) -> type:
+    """The `LoraWeight` subclass whose fields declare the ranks ``(w, a, b)``."""
+    cls = _RANKED.get(ranks)
+    if cls is None:
+        namespace = {
+            "__module__": __name__,
+            "__qualname__": LoraWeight.__qualname__,
+            "__annotations__": {n: "qax.ArrayValue" for n in ("w", "a", "b")},
+            "_qax_lora_ranks": ranks,
+        }
+        for name, ndim in zip(("w", "a", "b"), ranks, strict=True):
+            namespace[name] = qax.array_field(ndim=ndim)
+        cls = _RANKED[ranks] = type(LoraWeight.__name__, (LoraWeight,), namespace)
+    return cls
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LoraAdapter:
+    """The trainable part of one `LoraWeight`: its factors ``a`` and ``b`` (see `split`).
+
+    A plain pytree (two array leaves); ``alpha`` and ``freeze_w`` are static metadata, so
+    that `combine` rebuilds the same `LoraWeight`.
+    """
+
+    a: Any
+    b: Any
+    alpha: float | None = dataclasses.field(default=None, metadata={"static": True})
+    freeze_w: bool = dataclasses.field(default=True, metadata={"static": True})
+
+
+# ----------------------------------------------------------------------------------------
+# Handlers
+
+
+def _factors(w: LoraWeight) -> tuple[Any, Any]:
+    """``a`` (already scaled) and ``b``, in the weight's dtype."""
+    a, b = w.a, w.b
+    if a.dtype != w.dtype:
+        a = a.astype(w.dtype)
+    if b.dtype != w.dtype:
+        b = b.astype(w.dtype)
+    return a, b
+
+
+def _labelled_dot(x, x_labels, y, y_labels, contract, batch, **params):
+    """`lax.dot_general` of two arrays whose axes are named by labels.
+
+    Contracts the labels in `contract` and batches over those in `batch` (each present
+    in both); returns the result and its labels (batch, then `x`'s free, then `y`'s).
+    """
+    dims = (
+        (
+            tuple(x_labels.index(k) for k in contract),
+            tuple(y_labels.index(k) for k in contract),
+        ),
+        (
+            tuple(x_labels.index(k) for k in batch),
+            tuple(y_labels.index(k) for k in batch),
+        ),
+    )
+    if y.dtype != x.dtype:
+        y = y.astype(x.dtype)
+    out = lax.dot_general(x, y, dims, **params)
+    used = set(contract) | set(batch)
+    labels = [*batch]
+    labels += [k for k in x_labels if k not in used]
+    labels += [k for k in y_labels if k not in used]
+    return out, labels
+
+
+_RANK = "rank"
+
+
+def _lora_product(x, lora, dimension_numbers, lora_is_rhs, params):
+    """``dot_general(x, a⊗b)`` (scaled) in the primitive's output layout, as two
+    products with the thin factors."""
+    if lora_is_rhs:
+        (xc, lc), (xb, lb) = dimension_numbers
+    else:
+        (lc, xc), (lb, xb) = dimension_numbers
+    x_labels = list(range(x.ndim))
+    lora_labels = [("w", i) for i in range(lora.ndim)]
+    for xi, li in zip(xc, lc, strict=True):
+        lora_labels[li] = xi
+    for xi, li in zip(xb, lb, strict=True):
+        lora_labels[li] = xi
+    contract, batch = set(xc), [x_labels[i] for i in xb]
+    p = lora.a.ndim - 1
+    a, b = _factors(lora)
+    a_labels, b_labels = [*lora_labels[:p], _RANK], [_RANK, *lora_labels[p:]]
+    # Contract x first with the factor that shares more contracted axes with it, so that
+    # the intermediate result has the small rank axis.
+    in_a = sum(k in contract for k in a_labels)
+    in_b = sum(k in contract for k in b_labels)
+    (f1, l1), (f2, l2) = ((a, a_labels), (b, b_labels))
+    if in_b > in_a:
+        (f1, l1), (f2, l2) = (f2, l2), (f1, l1)
+    inner = {k: v for k, v in params.items() if k != "out_sharding"}
+    t, t_labels = _labelled_dot(
+        x,
+        x_labels,
+        f1,
+        l1,
+        [k for k in x_labels if k in contract and k in l1],
+        [k for k in batch if k in l1],
+        **inner,
+    )
+    if lora.scale != 1:
+        t = t * jnp.asarray(lora.scale, t.dtype)
+    out, out_labels = _labelled_dot(
+        t,
+        t_labels,
+        f2,
+        l2,
+        [_RANK, *(k for k in t_labels if k in contract and k in l2)],
+        [k for k in batch if k in l2 and k in t_labels],
+        **inner,
+    )
+    x_free = [k for k in x_labels if k not in contract and k not in batch]
+    lora_free = [k for k in lora_labels if k not in contract and k not in batch]
+    want = (
+        [*batch, *x_free, *lora_free] if lora_is_rhs else [*batch, *lora_free, *x_free]
+    )
+    perm = tuple(out_labels.index(k) for k in want)
+    return out if perm == tuple(range(len(perm))) else lax.transpose(out, perm)
+
+
+def _dot(primitive, x, lora, dimension_numbers, lora_is_rhs, params):
+    if not _unbatched(lora):
+        return NotImplemented  # a stack outside vmap/scan: materialized per element
+    operands = (x, lora.base()) if lora_is_rhs else (lora.base(), x)
+    main = primitive.bind(*operands, dimension_numbers=dimension_numbers, **params)
+    delta = _lora_product(x, lora, dimension_numbers, lora_is_rhs, params)
+    return main + delta.astype(main.dtype)
+
+
+@qax.primitive_handler("dot_general")
+def _dot_x_lora(
+    primitive, x: jax.Array, w: LoraWeight, *, dimension_numbers, **params
+) -> jax.Array:
+    return _dot(primitive, x, w, dimension_numbers, True, params)
+
+
+@qax.primitive_handler("dot_general")
+def _dot_lora_x(
+    primitive, w: LoraWeight, x: jax.Array, *, dimension_numbers, **params
+) -> jax.Array:
+    return _dot(primitive, x, w, dimension_numbers, False, params)
+
+
+@qax.primitive_handler("conv_general_dilated")
+def _conv_x_lora(
+    primitive,
+    x: jax.Array,
+    w: LoraWeight,
+    *,
+    dimension_numbers,
+    feature_group_count,
+    batch_group_count,
+    **params,
+) -> Any:
+    """``conv(x, w) + s · conv(x, f_in) ·₁ f_out``: one factor holds the kernel's input
+    and spatial axes (a convolution with ``rank`` output channels), the other its
+    output-feature axis (a 1x1 product)."""
+    nb = _batch_ndim(w.w.ndim, w.a.ndim, w.b.ndim)
+    if feature_group_count != 1 or batch_group_count != 1 or nb:
+        return NotImplemented
+    _, rhs_spec, out_spec = dimension_numbers
+    out_axis, p = rhs_spec[0], w.a.ndim - 1
+    a, b = _factors(w)
+    if out_axis == w.ndim - 1 and p == w.ndim - 1:
+        f_in, f_out = a, b  # Flax: a (*spatial, in, rank), b (rank, out)
+    elif out_axis == 0 and p == 1:
+        f_in, f_out = b, a.T  # Equinox: a (out, rank), b (rank, in, *spatial)
+    else:
+        return NotImplemented
+    conv = dict(
+        params,
+        dimension_numbers=dimension_numbers,
+        feature_group_count=1,
+        batch_group_count=1,
+    )
+    main = primitive.bind(x, w.base(), **conv)
+    if f_in.dtype != x.dtype:
+        f_in = f_in.astype(x.dtype)
+    t = primitive.bind(x, f_in, **conv)
+    if w.scale != 1:
+        t = t * jnp.asarray(w.scale, t.dtype)
+    feature = out_spec[1]
+    delta = lax.dot_general(
+        t, f_out.astype(t.dtype), (((feature,), (0,)), ((), ())),
+        precision=params.get("precision"),
+        preferred_element_type=params.get("preferred_element_type"),
+    )  # fmt: skip
+    delta = jnp.moveaxis(delta, -1, feature)
+    return main + delta.astype(main.dtype)
+
+
+@qax.primitive_handler("gather")
+def _gather_rows(
+    primitive,
+    w: LoraWeight,
+    indices: jax.Array,
+    *,
+    dimension_numbers,
+    slice_sizes,
+    **params,
+) -> Any:
+    """Rows of ``w`` plus rows of ``a`` times ``b``, when the lookup indexes only the
+    axes of ``a`` and keeps the axes of ``b`` whole, at the end of the result
+    (``table[ids]``, ``jnp.take(table, ids, axis=0)``)."""
+    nb = _batch_ndim(w.w.ndim, w.a.ndim, w.b.ndim)
+    p, k = w.a.ndim - 1, w.ndim
+    dn = dimension_numbers
+    indexed = (*dn.collapsed_slice_dims, *dn.start_index_map, *dn.operand_batching_dims)
+    out_ndim = indices.ndim - 1 + len(dn.offset_dims)
+    n_b = k - p
+    if (
+        nb
+        or any(d >= p for d in indexed)
+        or tuple(slice_sizes[p:]) != tuple(w.shape[p:])
+        or tuple(dn.offset_dims[-n_b:]) != tuple(range(out_ndim - n_b, out_ndim))
+    ):
+        return NotImplemented
+    main = primitive.bind(
+        w.base(), indices, dimension_numbers=dn, slice_sizes=slice_sizes, **params
+    )
+    a, b = _factors(w)
+    a_dn = lax.GatherDimensionNumbers(
+        offset_dims=(*dn.offset_dims[:-n_b], out_ndim - n_b),
+        collapsed_slice_dims=dn.collapsed_slice_dims,
+        start_index_map=dn.start_index_map,
+        operand_batching_dims=dn.operand_batching_dims,
+        start_indices_batching_dims=dn.start_indices_batching_dims,
+    )
+    rows = primitive.bind(
+        a,
+        indices,
+        dimension_numbers=a_dn,
+        slice_sizes=(*slice_sizes[:p], w.rank),
+        **params,
+    )
+    if w.scale != 1:
+        rows = rows * jnp.asarray(w.scale, rows.dtype)
+    delta = lax.dot_general(rows, b, (((rows.ndim - 1,), (0,)), ((), ())))
+    return main + delta.astype(main.dtype)
+
+
+def _replace(old: LoraWeight, **fields: Any) -> LoraWeight:
+    """A `LoraWeight` with new fields; shape and dtype are recomputed."""
+    fields = {
+        "w": old.w,
+        "a": old.a,
+        "b": old.b,
+        "alpha": old.alpha,
+        "freeze_w": old.freeze_w,
+        **fields,
+    }
+    return LoraWeight(**fields)
+
+
+def _unbatched(w: LoraWeight) -> bool:
+    return _batch_ndim(w.w.ndim, w.a.ndim, w.b.ndim) == 0
+
+
+@qax.primitive_handler("transpose")
+def _transpose(primitive, w: LoraWeight, *, permutation) -> Any:
+    """A permutation that keeps the axes of ``a`` together and those of ``b`` together
+    is again a `LoraWeight` (``(w + a b)ᵀ = wᵀ + bᵀ aᵀ``)."""
+    p, k = w.a.ndim - 1, w.ndim
+    perm = tuple(permutation)
+    if not _unbatched(w):
+        return NotImplemented
+    new_w = lax.transpose(w.w, perm)
+    if sorted(perm[:p]) == list(range(p)):
+        new_a = lax.transpose(w.a, (*perm[:p], p))
+        new_b = lax.transpose(w.b, (0, *(i - p + 1 for i in perm[p:])))
+    elif sorted(perm[: k - p]) == list(range(p, k)):
+        # b's axes come first: the new a is b (rank moved last), the new b is a.
+        new_a = lax.transpose(w.b, (*(i - p + 1 for i in perm[: k - p]), 0))
+        new_b = lax.transpose(w.a, (p, *perm[k - p :]))
+    else:
+        return NotImplemented
+    return _replace(w, w=new_w, a=new_a, b=new_b)
+
+
+def _split_point(old: Sequence[int], new: Sequence[int], p: int) -> int | None:
+    """The number of leading axes of `new` whose sizes multiply to ``prod(old[:p])``."""
+    target, size = math.prod(old[:p]), 1
+    for q in range(1, len(new)):
+        size *= new[q - 1]
+        if size == target:
+            return q
+        if size > target:
+            return None
+    return None
+
+
+@qax.primitive_handler(["reshape", "squeeze"])
+def _reshape(primitive, w: LoraWeight, **params) -> Any:
+    """A reshape that keeps the boundary between the axes of ``a`` and ``b``
+    (splitting or merging axes on either side) is again a `LoraWeight`; a weight that
+    is a single row or column becomes that dense row."""
+    if not _unbatched(w):
+        return NotImplemented
+    if primitive is lax.reshape_p and params.get("dimensions") is not None:
+        return NotImplemented  # a reshape that also transposes
+    new_shape = jax.eval_shape(
+        lambda x: primitive.bind(x, **params), jax.ShapeDtypeStruct(w.shape, w.dtype)
+    ).shape
+    p = w.a.ndim - 1
+    if math.prod(w.shape[:p]) == 1 or math.prod(w.shape[p:]) == 1:
+        # One side is a single row (``table[i]`` then squeeze): the result is no bigger
+        # than that row, so it is formed directly.
+        return jnp.reshape(w.base() + w.delta(), new_shape)
+    q = _split_point(w.shape, new_shape, p)
+    if q is None:
+        return NotImplemented
+    return _replace(
+        w,
+        w=jnp.reshape(w.w, new_shape),
+        a=jnp.reshape(w.a, (*new_shape[:q], w.rank)),
+        b=jnp.reshape(w.b, (w.rank, *new_shape[q:])),
+    )
+
+
+@qax.primitive_handler("slice")
+def _slice(primitive, w: LoraWeight, *, start_indices, limit_indices, strides) -> Any:
+    """Slicing ``w`` slices ``a`` on its axes and ``b`` on its axes."""
+    if not _unbatched(w):
+        return NotImplemented
+    p = w.a.ndim - 1
+    strides = strides or (1,) * w.ndim
+    starts, limits = tuple(start_indices), tuple(limit_indices)
+    return _replace(
+        w,
+        w=lax.slice(w.w, starts, limits, strides),
+        a=lax.slice(w.a, (*starts[:p], 0), (*limits[:p], w.rank), (*strides[:p], 1)),
+        b=lax.slice(w.b, (0, *starts[p:]), (w.rank, *limits[p:]), (1, *strides[p:])),
+    )
+
+
+@qax.primitive_handler("dynamic_slice")
+def _dynamic_slice(primitive, w: LoraWeight, *starts: jax.Array, slice_sizes) -> Any:
+    """``lax.dynamic_slice`` (e.g. one row, ``table[i]``): slice each factor on its
+    axes."""
+    if not _unbatched(w):
+        return NotImplemented
+    p, zero = w.a.ndim - 1, jnp.zeros((), jnp.int32)
+    sizes = tuple(slice_sizes)
+    starts = [s.astype(jnp.int32) for s in starts]
+    return _replace(
+        w,
+        w=lax.dynamic_slice(w.w, starts, sizes),
+        a=lax.dynamic_slice(w.a, [*starts[:p], zero], (*sizes[:p], w.rank)),
+        b=lax.dynamic_slice(w.b, [zero, *starts[p:]], (w.rank, *sizes[p:])),
+    )
+
+
+@qax.primitive_handler("split")
+def _split_weight(primitive, w: LoraWeight, *, sizes, axis) -> Any:
+    """``jnp.split`` of a fused weight (QKV): one `LoraWeight` per piece."""
+    if not _unbatched(w):
+        return NotImplemented
+    p = w.a.ndim - 1
+    pieces = lax.split(w.w, sizes, axis)
+    if axis < p:
+        parts = [(a, w.b) for a in lax.split(w.a, sizes, axis)]
+    else:
+        parts = [(w.a, b) for b in lax.split(w.b, sizes, axis - p + 1)]
+    return [_replace(w, w=piece, a=a, b=b) for piece, (a, b) in zip(pieces, parts)]
+
+
+@qax.primitive_handler("convert_element_type")
+def _convert(primitive, w: LoraWeight, *, new_dtype, **params) -> Any:
+    """``w.astype(dtype)`` for a floating dtype casts every field: bf16 compute over
+    f32 factors (the casts are differentiable, so gradients reach the f32 factors)."""
+    if not jnp.issubdtype(new_dtype, jnp.floating):
+        return NotImplemented
+    return _replace(
+        w, w=w.w.astype(new_dtype), a=w.a.astype(new_dtype), b=w.b.astype(new_dtype)
+    )
+
+
+@qax.primitive_handler("mul")
+def _mul_scalar(primitive, w: LoraWeight, c: jax.Array) -> Any:
+    """``c * W`` for a scalar ``c``: ``c w + s (c a) b``."""
+    if jnp.ndim(c) != 0:
+        return NotImplemented
+    c = c.astype(w.dtype)
+    return _replace(w, w=w.w * c.astype(w.w.dtype), a=w.a * c.astype(w.a.dtype))
+
+
+@qax.primitive_handler("stop_gradient")
+def _stop_gradient(primitive, w: LoraWeight) -> Any:
+    return _replace(
+        w,
+        w=lax.stop_gradient(w.w),
+        a=lax.stop_gradient(w.a),
+        b=lax.stop_gradient(w.b),
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# Parameter trees
+
+
+def _is_lora(x: Any) -> bool:
+    return isinstance(x, LoraWeight)
+
+
+def _key_name(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def path_string(path: Sequence[Any]) -> str:
+    """``"layers/0/attn/kernel"``: the names of a pytree key path joined by ``/``."""
+    return "/".join(_key_name(k) for k in path)
+
+
+_EXCLUDED = re.compile(r"embed|norm|bias|^ln(_|\d|$)|^wte$|^wpe$|^(pos|tok)_emb", re.I)
+
+
+def default_filter(path: str, leaf: Any) -> bool:
+    """`loraify`'s default: every floating-point weight with 2 or more axes, except
+    embeddings, normalisation parameters and biases.
+
+    A weight is left out when a component of its path contains ``embed``, ``norm`` or
+    ``bias`` (``embedding``, ``Embed_0``, ``layer_norm``, ``RMSNorm``; Equinox
+    convolution biases have shape ``(out, 1, 1)``), starts with ``ln`` followed
+    by ``_``, a digit or nothing (``ln_f``, ``ln1``), or is ``wte``/``wpe`` (GPT-2's token
+    and position tables).
+
+    >>> qax.lora.default_filter("h_0/attn/c_attn/kernel", jnp.ones((4, 12)))
+    True
+    >>> qax.lora.default_filter("wte/embedding", jnp.ones((64, 4)))
+    False
+
+    Args:
+      path: the leaf's key path as a string (see `loraify`).
+      leaf: the parameter.
+
+    Returns:
+      Whether the parameter gets a LoRA.
+    """
+    if not hasattr(leaf, "shape") or len(leaf.shape) < 2:
+        return False
+    if not jnp.issubdtype(leaf.dtype, jnp.floating):
+        return False
+    return not any(_EXCLUDED.search(part) for part in path.split("/"))
+
+
+_BAD_A_NDIM = (
+    "loraify: a_ndim={a_ndim} for the weight at {path!r} of shape {shape}; it must leave "
+    "at least one axis to each factor (1 <= a_ndim <= {most})."
+)
+
+
+def loraify(
+    params: Any,
+    rank: int,
+    *,
+    key: jax.Array,
+    alpha: float | None = None,
+    filter: Callable[[str, Any], bool] | None = None,
+    a_ndim: int | Callable[[str, Any], int] | None = None,
+    freeze_w: bool = True,
+    dtype: Any = None,
+    batch_ndim: int = 0,
+) -> Any:
+    """Turn chosen weights of any params pytree into `LoraWeight`s.
+
+    Works on any pytree: a Flax linen ``params`` dict, an NNX ``State``, an Equinox
+    module, a dict of arrays. Quantized weights (`qax.quant`) are weights too (QLoRA). The
+    new factors follow PEFT's initialisation: ``a`` is Gaussian with standard deviation
+    ``1 / sqrt(fan_in)`` (``fan_in`` = the size of ``a``'s weight axes) and ``b`` is zero,
+    so the model computes exactly what it computed before.
+
+    >>> params = qax.lora.loraify(params, 8, key=jax.random.key(0), alpha=16.0)
+    >>> qax.lora.trainable_count(params)
+    12288
+
+    Args:
+      params: the parameters.
+      rank: the LoRA rank.
+      key: a PRNG key for the ``a`` factors (folded with each weight's path).
+      alpha: the scale numerator (``alpha / rank``); ``None`` means a scale of 1.
+      filter: ``filter(path, leaf) -> bool`` chooses the weights; ``path`` is the leaf's
+        key path as ``"a/b/c"`` (NNX states end in ``/value``). Default:
+        `default_filter` (every 2-D+ weight but embeddings and norms).
+      a_ndim: how many leading axes of a weight belong to ``a`` (an int, or a function
+        of ``(path, leaf)``). Default: all but the last (Flax ``(in, out)`` kernels and
+        ``(*spatial, in, out)`` convolutions); use ``1`` for Equinox ``(out, in, ...)``
+        weights.
+      freeze_w: passed to every `LoraWeight`.
+      dtype: the dtype of the new factors (default: the weight's).
+      batch_ndim: leading axes of every chosen weight that stack independent weights
+        (layers stacked for `lax.scan`): each layer gets its own factors, ``a`` of
+        shape ``(L, *A, rank)`` and ``b`` ``(L, rank, *B)``, and `lax.scan` over the
+        stack slices the `LoraWeight` without forming it.
+
+    Returns:
+      ``params`` with the chosen weights replaced by `LoraWeight`s.
+
+    Raises:
+      ValueError: ``rank`` is not positive, or ``a_ndim`` leaves a factor no axis.
+    """
+    if int(rank) < 1:
+        raise ValueError(f"loraify: rank must be a positive integer, got {rank!r}.")
+    choose = default_filter if filter is None else filter
+
+    def convert(path, leaf):
+        name = path_string(path)
+        if _is_lora(leaf) or not choose(name, leaf):
+            return leaf
+        if len(leaf.shape) - batch_ndim < 2:
+            return leaf
+        lead, shape = tuple(leaf.shape[:batch_ndim]), tuple(leaf.shape[batch_ndim:])
+        p = a_ndim(name, leaf) if callable(a_ndim) else a_ndim
+        p = len(shape) - 1 if p is None else int(p)
+        if not 1 <= p <= len(shape) - 1:
+            raise ValueError(
+                _BAD_A_NDIM.format(
+                    a_ndim=p, path=name, shape=leaf.shape, most=len(shape) - 1
+                )
+            )
+        factor_dtype = dtype or leaf.dtype
+        k = jax.random.fold_in(key, zlib.crc32(name.encode()) % (2**31))
+        fan_in = math.prod(shape[:p])
+        a = jax.random.normal(k, (*lead, *shape[:p], rank), jnp.float32)
+        a = (a / np.sqrt(fan_in)).astype(factor_dtype)
+        b = jnp.zeros((*lead, rank, *shape[p:]), factor_dtype)
+        return LoraWeight(leaf, a, b, alpha=alpha, freeze_w=freeze_w)
+
+    return qax.utils.tree_map_with_path_with_implicit(convert, params)
+
+
+def merge(params: Any) -> Any:
+    """Dense parameters for serving: every `LoraWeight` becomes ``w + s·a⊗b``.
+
+    A quantized base weight is dequantized (the merged weight is dense).
+
+    >>> dense = qax.lora.merge(params)  # runs without use_implicit_args
+
+    Args:
+      params: parameters holding `LoraWeight`s.
+
+    Returns:
+      The same tree with plain arrays in place of the `LoraWeight`s.
+    """
+
+    def one(x: Any) -> Any:
+        if not _is_lora(x):
+            return x
+        return qax.materialize_nested(x, full=True)
+
+    return jax.tree_util.tree_map(one, params, is_leaf=_is_lora)
+
+
+def split(params: Any) -> tuple[Any, Any]:
+    """Separate the trainable factors from everything else.
+
+    Returns ``(adapters, base)``: ``adapters`` has the structure of ``params`` with a
+    `LoraAdapter` (``a``, ``b``) in place of each `LoraWeight` and ``None`` elsewhere
+    (save it alone: a few MB); ``base`` is ``params`` with each `LoraWeight` replaced by
+    its ``w`` (the pretrained weights, possibly quantized). ``combine(adapters, base)``
+    rebuilds ``params``.
+
+    >>> adapters, base = qax.lora.split(params)
+    >>> opt_state = optax.adam(1e-3).init(adapters)
+
+    Args:
+      params: parameters holding `LoraWeight`s.
+
+    Returns:
+      ``(adapters, base)``.
+    """
+
+    def adapter(x: Any) -> Any:
+        if not _is_lora(x):
+            return None
+        return LoraAdapter(x.a, x.b, alpha=x.alpha, freeze_w=x.freeze_w)
+
+    def frozen(x: Any) -> Any:
+        return x.w if _is_lora(x) else x
+
+    adapters = jax.tree_util.tree_map(adapter, params, is_leaf=_is_lora)
+    base = jax.tree_util.tree_map(frozen, params, is_leaf=_is_lora)
+    return adapters, base
+
+
+_BAD_COMBINE = (
+    "combine: `adapters` must have the structure of the `base` parameters, with a "
+    "LoraAdapter or None at each weight (as `qax.lora.split` returns): {error}"
+)
+
+
+def combine(adapters: Any, base: Any) -> Any:
+    """Inverse of `split`: put each `LoraAdapter` back on its base weight.
+
+    >>> params = qax.lora.combine(adapters, base)
+
+    Args:
+      adapters: a tree from `split` (`LoraAdapter` or ``None`` per weight).
+      base: the base parameters (the second result of `split`), e.g. restored from a
+        checkpoint or quantized with `qax.quant.quantize`.
+
+    Returns:
+      The parameters with `LoraWeight`s.
+
+    Raises:
+      ValueError: the two trees do not match.
+    """
+
+    def is_leaf(x: Any) -> bool:
+        return x is None or isinstance(x, LoraAdapter)
+
+    def one(adapter: Any, w: Any) -> Any:
+        if adapter is None:
+            return w
+        return LoraWeight(
+            w, adapter.a, adapter.b, alpha=adapter.alpha, freeze_w=adapter.freeze_w
+        )
+
+    try:
+        return jax.tree_util.tree_map(one, adapters, base, is_leaf=is_leaf)
+    except (ValueError, TypeError) as e:
+        raise ValueError(_BAD_COMBINE.format(error=e)) from None
+
+
+def trainable_count(params: Any) -> int:
+    """The number of trainable LoRA numbers: the sizes of every ``a`` and ``b``.
+
+    >>> qax.lora.trainable_count(qax.lora.loraify({"w": jnp.ones((4, 3))}, 2, key=k))
+    14
+
+    Args:
+      params: parameters holding `LoraWeight`s (or the adapters from `split`).
+
+    Returns:
+      The total size of the factors.
+    """
+
+    def is_leaf(x: Any) -> bool:
+        return _is_lora(x) or isinstance(x, LoraAdapter)
+
+    found = jax.tree_util.tree_leaves(params, is_leaf=is_leaf)
+    return sum(int(np.size(x.a)) + int(np.size(x.b)) for x in found if is_leaf(x))

@@ -1,0 +1,532 @@
+"""Quantized weights that stay quantized: `Int8Weight`, `Int4Weight`, `NF4Weight`.
+
+Each type stores integer codes plus floating-point scales and behaves like the dense
+weight they decode to. The handlers decode *inside* the operation that uses the weight,
+so the full-precision weight never exists as a parameter or an input of the program:
+
+- ``dot_general`` (any layout, either side) and ``conv_general_dilated``: decode, then
+  the product (XLA fuses the decoding into it);
+- ``gather`` of rows (embedding lookups): only the gathered rows are decoded;
+- ``convert_element_type`` to a floating dtype: the same codes, decoding to that dtype
+  (``w.astype(jnp.bfloat16)`` keeps 4-bit storage); ``mul`` by a scalar rescales the
+  scales; ``transpose`` of an `Int8Weight` transposes its codes; ``stop_gradient``;
+- ``add`` / ``sub`` (merging a LoRA into a quantized base): decoded inside the handler.
+
+The formats:
+
+- `Int8Weight`: symmetric int8 with one scale per output channel (``axis``, by default the
+  last axis: the output axis of a Flax ``(in, out)`` kernel). 1 byte per number.
+- `Int4Weight`: symmetric 4-bit integers in ``[-8, 7]`` with one scale per group of
+  ``group_size`` consecutive numbers along the last axis; two numbers per byte.
+- `NF4Weight`: QLoRA's 4-bit NormalFloat: 16 levels at quantiles of a standard normal
+  (one of them exactly zero), one absmax scale per block of ``block_size`` numbers along
+  the last axis; two numbers per byte. For normally distributed weights its error is
+  lower than `Int4Weight`'s at the same size (see ``benchmarks/bench_quant.py``).
+
+Gradients flow into the scales as they would into the decoded weight (the codes are
+integers and get none). A quantized base is meant to stay fixed: differentiate with
+respect to the LoRA factors only (`qax.lora.split`), or wrap it in
+`jax.lax.stop_gradient` (which `qax.lora.LoraWeight` does for its ``w``; the handler
+keeps the weight quantized), and no weight-sized gradient is computed for it.
+Train on top of them with `qax.lora` (QLoRA):
+
+>>> base = qax.quant.quantize(params, "nf4")
+>>> params = qax.lora.loraify(base, rank=8, key=jax.random.key(0))
+>>> adapters, base = qax.lora.split(params)   # train `adapters` as in qax.lora
+
+This module uses qax's public API only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from statistics import NormalDist
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import qax
+from qax.lora import default_filter
+
+__all__ = [
+    "NF4_LEVELS",
+    "Int4Weight",
+    "Int8Weight",
+    "NF4Weight",
+    "QuantizedWeight",
+    "dequantize",
+    "quantize",
+]
+
+
+def _nf4_levels() -> np.ndarray:
+    """The 16 NormalFloat levels of QLoRA (Dettmers et al., 2023, appendix E).
+
+    8 positive levels at the standard normal quantiles of ``linspace(offset, 1/2, 9)``
+    (without the last point), 7 negative ones at those of ``linspace(offset, 1/2, 8)``,
+    and an exact zero, all divided by the largest. ``offset`` is the mean of
+    ``1 - 1/(2·15)`` and ``1 - 1/(2·16)``, so that the extreme levels are ±1.
+    """
+    ppf = NormalDist().inv_cdf
+    offset = ((1 - 1 / 30) + (1 - 1 / 32)) / 2
+    positive = [ppf(p) for p in np.linspace(offset, 0.5, 9)[:-1]]
+    negative = [-ppf(p) for p in np.linspace(offset, 0.5, 8)[:-1]]
+    levels = np.sort(np.array([*positive, 0.0, *negative]))
+    return (levels / np.abs(levels).max()).astype(np.float32)
+
+
+NF4_LEVELS: np.ndarray = _nf4_levels()
+"""The 16 NF4 levels in ascending order, from -1 to 1 (index = the 4-bit code)."""
+
+_LAST_AXIS = (
+    "{cls}: the last axis of a weight of shape {shape} must be a multiple of "
+    "{what}={size} (and even, two 4-bit numbers share a byte). Pass a {what} that "
+    "divides {last}, or leave this weight out with `filter=`."
+)
+
+
+def _pack(codes: jax.Array) -> jax.Array:
+    """Two 4-bit codes per byte along the last axis: element ``2j`` in the low nibble."""
+    codes = codes.astype(jnp.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def _unpack(packed: jax.Array) -> jax.Array:
+    low, high = packed & 0xF, packed >> 4
+    return jnp.stack([low, high], axis=-1).reshape(*packed.shape[:-1], -1)
+
+
+def _blocks(x: jax.Array, size: int) -> jax.Array:
+    return x.reshape(*x.shape[:-1], x.shape[-1] // size, size)
+
+
+class QuantizedWeight(qax.ImplicitArray):
+    """Base of the quantized types: `dequantize` decodes; the handlers are shared.
+
+    Subclasses define `_decode(**fields)` (the dense weight from the array fields, in
+    ``dtype``) and `from_array()`; ``dtype`` is the dtype of the scales. Every array
+    field has the weight's rank (declared with `qax.array_field`, one subclass per
+    rank), so a stack of quantized weights (scanned layers: ``from_array(w,
+    batch_ndim=1)``) is sliced by `lax.scan` and `vmap` without being decoded.
+    """
+
+    _ARRAYS: ClassVar[tuple[str, ...]] = ()
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        if "_qax_rank" not in cls.__dict__:
+            first = args[0] if args else kwargs.get(cls._ARRAYS[0])
+            if first is not None:
+                cls = cls._ranked(len(jnp.shape(first)))
+        return object.__new__(cls)
+
+    @classmethod
+    def _ranked(cls, rank: int) -> type:
+        """The subclass of `cls` whose array fields declare `rank` dimensions."""
+        base = next(k for k in cls.__mro__ if "_qax_rank" not in k.__dict__)
+        cache = base.__dict__.get("_qax_ranked")
+        if cache is None:
+            cache = {}
+            type.__setattr__(base, "_qax_ranked", cache)
+        ranked = cache.get(rank)
+        if ranked is None:
+            namespace = {
+                "__module__": base.__module__,
+                "__qualname__": base.__qualname__,
+                "__annotations__": {n: "qax.ArrayValue" for n in base._ARRAYS},
+                "_qax_rank": rank,
+            }
+            for name in base._ARRAYS:
+                namespace[name] = qax.array_field(ndim=rank)
+            ranked = cache[rank] = type(base.__name__, (base,), namespace)
+        return ranked
+
+    def dequantize(self) -> jax.Array:
+        """The dense weight the codes stand for (differentiable in the scales)."""
+        return self._decode(**{n: getattr(self, n) for n in self._ARRAYS})
+
+    def _decode(self, **arrays: Any) -> jax.Array:
+        raise NotImplementedError
+
+    def materialize(self) -> jax.Array:
+        return self.dequantize()
+
+    def _scale_field(self) -> str:
+        return "scale"
+
+    def _rescaled(self, **changes: Any) -> QuantizedWeight:
+        return dataclasses.replace(self, shape=None, dtype=None, **changes)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the codes and scales."""
+        return sum(int(np.asarray(x).nbytes) for x in jax.tree_util.tree_leaves(self))
+
+
+class Int8Weight(QuantizedWeight):
+    """Symmetric int8 codes with one scale per output channel: ``w ≈ q * scale``.
+
+    ``scale`` keeps the weight's rank, with size 1 on every axis but the channel axis.
+
+    >>> q = qax.quant.Int8Weight.from_array(jnp.ones((4, 3)))
+    >>> q.q.dtype, q.scale.shape
+    (dtype('int8'), (1, 3))
+
+    Args:
+      q: the int8 codes, in ``[-127, 127]``.
+      scale: the per-channel scales (the dtype the weight decodes to).
+    """
+
+    q: qax.ArrayValue
+    scale: qax.ArrayValue
+
+    _ARRAYS = ("q", "scale")
+
+    def compute_shape(self) -> tuple[int, ...]:
+        return tuple(self.q.shape)
+
+    def compute_dtype(self) -> Any:
+        return self.scale.dtype
+
+    @classmethod
+    def from_array(
+        cls, w: jax.Array, axis: int = -1, batch_ndim: int = 0
+    ) -> Int8Weight:
+        """Quantize ``w`` with one scale per index of ``axis`` (absmax / 127).
+
+        Args:
+          w: a floating-point weight.
+          axis: the output-channel axis (default: the last one).
+          batch_ndim: leading axes that stack independent weights (scanned layers);
+            each gets its own scales.
+
+        Returns:
+          The quantized weight.
+        """
+        w = jnp.asarray(w)
+        axis = axis % w.ndim
+        others = tuple(i for i in range(batch_ndim, w.ndim) if i != axis)
+        absmax = jnp.max(jnp.abs(w), axis=others, keepdims=True)
+        scale = jnp.where(absmax > 0, absmax / 127, 1).astype(w.dtype)
+        q = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
+        return cls._ranked(w.ndim - batch_ndim)(q, scale)
+
+    def _decode(self, q: Any, scale: Any) -> jax.Array:
+        return q.astype(self.dtype) * scale
+
+
+class Int4Weight(QuantizedWeight):
+    """4-bit symmetric integers, two per byte, with one scale per group along the last
+    axis: ``w[..., g*s:(g+1)*s] ≈ (code - 8) * scale[..., g]``.
+
+    >>> q = qax.quant.Int4Weight.from_array(jnp.ones((4, 64)), group_size=32)
+    >>> q.packed.shape, q.scale.shape
+    ((4, 32), (4, 2))
+
+    Args:
+      packed: ``uint8`` of shape ``(*lead, n // 2)``: codes ``0..15`` (value + 8), the
+        even element in the low nibble.
+      scale: ``(*lead, n // group_size)`` floating-point scales.
+      group_size: numbers per scale.
+    """
+
+    packed: qax.ArrayValue
+    scale: qax.ArrayValue
+    group_size: int = qax.aux_field(default=64)
+
+    _ARRAYS = ("packed", "scale")
+
+    def compute_shape(self) -> tuple[int, ...]:
+        return (*self.packed.shape[:-1], 2 * self.packed.shape[-1])
+
+    def compute_dtype(self) -> Any:
+        return self.scale.dtype
+
+    @classmethod
+    def from_array(
+        cls, w: jax.Array, group_size: int = 64, batch_ndim: int = 0
+    ) -> Int4Weight:
+        """Quantize ``w`` group-wise along its last axis (absmax / 7 per group).
+
+        ``batch_ndim`` leading axes stack independent weights (scanned layers).
+
+        Raises:
+          ValueError: the last axis is not a multiple of ``group_size``, or odd.
+        """
+        w = jnp.asarray(w)
+        _check_last_axis(cls, w.shape, "group_size", group_size)
+        groups = _blocks(w, group_size)
+        absmax = jnp.max(jnp.abs(groups), axis=-1)
+        scale = jnp.where(absmax > 0, absmax / 7, 1).astype(w.dtype)
+        q = jnp.clip(jnp.round(groups / scale[..., None]), -8, 7).astype(jnp.int32)
+        codes = (q + 8).reshape(w.shape)
+        ranked = cls._ranked(w.ndim - batch_ndim)
+        return ranked(_pack(codes), scale, group_size=group_size)
+
+    def _decode(self, packed: Any, scale: Any) -> jax.Array:
+        values = _unpack(packed).astype(jnp.int32) - 8
+        groups = _blocks(values.astype(self.dtype), self.group_size)
+        return (groups * scale[..., None]).reshape(values.shape)
+
+
+class NF4Weight(QuantizedWeight):
+    """QLoRA's 4-bit NormalFloat: codes into `NF4_LEVELS`, two per byte, with one
+    absmax per block along the last axis: ``w ≈ NF4_LEVELS[code] * absmax[block]``.
+
+    >>> q = qax.quant.NF4Weight.from_array(jax.random.normal(key, (8, 128)))
+    >>> q.packed.dtype, q.packed.shape, q.absmax.shape
+    (dtype('uint8'), (8, 64), (8, 2))
+
+    Args:
+      packed: ``uint8`` of shape ``(*lead, n // 2)``: indices into `NF4_LEVELS`, the
+        even element in the low nibble.
+      absmax: ``(*lead, n // block_size)`` floating-point block scales.
+      block_size: numbers per block (64, as in QLoRA).
+    """
+
+    packed: qax.ArrayValue
+    absmax: qax.ArrayValue
+    block_size: int = qax.aux_field(default=64)
+
+    _ARRAYS = ("packed", "absmax")
+
+    def compute_shape(self) -> tuple[int, ...]:
+        return (*self.packed.shape[:-1], 2 * self.packed.shape[-1])
+
+    def compute_dtype(self) -> Any:
+        return self.absmax.dtype
+
+    def _scale_field(self) -> str:
+        return "absmax"
+
+    @classmethod
+    def from_array(
+        cls, w: jax.Array, block_size: int = 64, batch_ndim: int = 0
+    ) -> NF4Weight:
+        """Quantize ``w`` block-wise along its last axis to the nearest NF4 level.
+
+        ``batch_ndim`` leading axes stack independent weights (scanned layers).
+
+        Raises:
+          ValueError: the last axis is not a multiple of ``block_size``, or odd.
+        """
+        w = jnp.asarray(w)
+        _check_last_axis(cls, w.shape, "block_size", block_size)
+        blocks = _blocks(w, block_size)
+        absmax = jnp.max(jnp.abs(blocks), axis=-1)
+        safe = jnp.where(absmax > 0, absmax, 1).astype(w.dtype)
+        normalized = (blocks / safe[..., None]).astype(jnp.float32)
+        midpoints = (NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2
+        codes = jnp.searchsorted(jnp.asarray(midpoints), normalized).reshape(w.shape)
+        ranked = cls._ranked(w.ndim - batch_ndim)
+        return ranked(_pack(codes), safe, block_size=block_size)
+
+    def _decode(self, packed: Any, absmax: Any) -> jax.Array:
+        levels = jnp.asarray(NF4_LEVELS, self.dtype)[_unpack(packed)]
+        blocks = _blocks(levels, self.block_size) * absmax[..., None]
+        return blocks.reshape(levels.shape)
+
+
+def _check_last_axis(cls: type, shape: tuple, what: str, size: int) -> None:
+    last = shape[-1] if shape else 0
+    if not shape or size < 2 or size % 2 or last % size:
+        raise ValueError(
+            _LAST_AXIS.format(
+                cls=cls.__name__, shape=tuple(shape), what=what, size=size, last=last
+            )
+        )
+
+
+# ----------------------------------------------------------------------------------------
+# Handlers
+
+
+def _decoded(w: QuantizedWeight) -> jax.Array:
+    return w.dequantize()
+
+
+@qax.primitive_handler(["dot_general", "conv_general_dilated"])
+def _product_x_w(primitive, x: jax.Array, w: QuantizedWeight, **params) -> jax.Array:
+    return primitive.bind(x, _decoded(w), **params)
+
+
+@qax.primitive_handler("dot_general")
+def _product_w_x(primitive, w: QuantizedWeight, x: jax.Array, **params) -> jax.Array:
+    return primitive.bind(_decoded(w), x, **params)
+
+
+@qax.primitive_handler(["add", "sub"])
+def _elementwise(primitive, w: QuantizedWeight, x: jax.Array) -> jax.Array:
+    return primitive.bind(_decoded(w), x)
+
+
+@qax.primitive_handler("sub")
+def _elementwise_right(primitive, x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    return primitive.bind(x, _decoded(w))
+
+
+@qax.primitive_handler("gather")
+def _gather_rows(
+    primitive, w: QuantizedWeight, indices: jax.Array, *, dimension_numbers, **params
+) -> jax.Array:
+    """Gather the codes and scales of the rows, then decode only those rows.
+
+    Applies when the lookup indexes leading axes and keeps the last axis whole, at the
+    end of the result (``table[ids]``); otherwise the whole weight is decoded first.
+    """
+    dn, sizes = dimension_numbers, tuple(params.pop("slice_sizes"))
+    indexed = (*dn.collapsed_slice_dims, *dn.start_index_map, *dn.operand_batching_dims)
+    out_ndim = indices.ndim - 1 + len(dn.offset_dims)
+    last = w.ndim - 1
+    if (
+        w.ndim < 2
+        or last in indexed
+        or sizes[-1] != w.shape[-1]
+        or dn.offset_dims[-1:] != (out_ndim - 1,)
+    ):
+        return primitive.bind(
+            _decoded(w), indices, dimension_numbers=dn, slice_sizes=sizes, **params
+        )
+    changes = {}
+    for field in dataclasses.fields(w):
+        leaf = getattr(w, field.name)
+        if not isinstance(leaf, jax.Array) or leaf.ndim != w.ndim:
+            continue
+        if tuple(leaf.shape[:-1]) == tuple(w.shape[:-1]):
+            changes[field.name] = primitive.bind(
+                leaf,
+                indices,
+                dimension_numbers=dn,
+                slice_sizes=(*sizes[:-1], leaf.shape[-1]),
+                **params,
+            )
+        elif any(d != 1 for d in leaf.shape[:-1]):  # a scale per row of another axis
+            return primitive.bind(
+                _decoded(w), indices, dimension_numbers=dn, slice_sizes=sizes, **params
+            )
+    return w._decode(**{n: changes.get(n, getattr(w, n)) for n in w._ARRAYS})
+
+
+@qax.primitive_handler("convert_element_type")
+def _convert(primitive, w: QuantizedWeight, *, new_dtype, **params) -> Any:
+    """Decode to another floating dtype: the codes stay, the scales are cast."""
+    if not jnp.issubdtype(new_dtype, jnp.floating):
+        return NotImplemented
+    name = w._scale_field()
+    return w._rescaled(**{name: getattr(w, name).astype(new_dtype)})
+
+
+@qax.primitive_handler("mul")
+def _mul_scalar(primitive, w: QuantizedWeight, c: jax.Array) -> Any:
+    if jnp.ndim(c) != 0:
+        return NotImplemented
+    name = w._scale_field()
+    scale = getattr(w, name)
+    return w._rescaled(**{name: scale * c.astype(scale.dtype)})
+
+
+@qax.primitive_handler("stop_gradient")
+def _stop_gradient(primitive, w: QuantizedWeight) -> Any:
+    name = w._scale_field()
+    return w._rescaled(**{name: lax.stop_gradient(getattr(w, name))})
+
+
+@qax.primitive_handler("transpose")
+def _transpose(primitive, w: QuantizedWeight, *, permutation) -> jax.Array:
+    return lax.transpose(_decoded(w), permutation)
+
+
+@qax.primitive_handler("transpose")
+def _transpose_int8(primitive, w: Int8Weight, *, permutation) -> Int8Weight:
+    """Per-channel int8 transposes exactly: codes and (broadcastable) scales."""
+    if w.q.ndim != w.ndim:
+        return primitive.bind(_decoded(w), permutation=permutation)
+    return Int8Weight(
+        lax.transpose(w.q, permutation), lax.transpose(w.scale, permutation)
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# Parameter trees
+
+_FORMATS = {"int8": Int8Weight, "int4": Int4Weight, "nf4": NF4Weight}
+
+
+def _fits(cls: type, leaf: Any, options: dict) -> bool:
+    if cls is Int8Weight:
+        return True
+    size = options.get("block_size", options.get("group_size", 64))
+    last = leaf.shape[-1]
+    return size % 2 == 0 and last % size == 0
+
+
+def quantize(
+    params: Any,
+    fmt: str | type = "nf4",
+    *,
+    filter: Any = None,
+    **options: Any,
+) -> Any:
+    """Replace chosen weights of a params pytree by quantized weights.
+
+    >>> small = qax.quant.quantize(params, "nf4", block_size=64)
+    >>> qax.use_implicit_args(model.apply)({"params": small}, x)
+
+    Args:
+      params: any pytree (Flax linen dict, NNX state, Equinox module, ...).
+      fmt: ``"int8"``, ``"int4"``, ``"nf4"``, or one of the classes.
+      filter: ``filter(path, leaf) -> bool`` (``path`` as in `qax.lora.loraify`).
+        Default: `qax.lora.default_filter` (every 2-D+ weight but embeddings, norms and
+        biases), skipping weights whose last axis is not a multiple of the block size.
+      **options: passed to ``from_array``: ``axis`` (int8), ``group_size`` (int4),
+        ``block_size`` (nf4).
+
+    Returns:
+      ``params`` with quantized weights.
+
+    Raises:
+      ValueError: an unknown format, or a weight chosen by ``filter`` that the format
+        cannot hold.
+    """
+    cls = _FORMATS.get(fmt) if isinstance(fmt, str) else fmt
+    if not (isinstance(cls, type) and issubclass(cls, QuantizedWeight)):
+        raise ValueError(
+            f"quantize: unknown format {fmt!r}; use one of {sorted(_FORMATS)} or a "
+            "QuantizedWeight subclass."
+        )
+
+    def choose(path: str, leaf: Any) -> bool:
+        if filter is not None:
+            return filter(path, leaf)
+        return default_filter(path, leaf) and _fits(cls, leaf, options)
+
+    def convert(path, leaf):
+        if isinstance(leaf, qax.ImplicitArray) or not hasattr(leaf, "shape"):
+            return leaf
+        if not choose(qax.lora.path_string(path), leaf):
+            return leaf
+        return cls.from_array(leaf, **options)
+
+    return qax.utils.tree_map_with_path_with_implicit(convert, params)
+
+
+def dequantize(params: Any) -> Any:
+    """Replace every quantized weight by the dense weight it decodes to.
+
+    >>> dense = qax.quant.dequantize(qax.quant.quantize(params, "int8"))
+
+    Args:
+      params: a pytree holding quantized weights (also inside `qax.lora.LoraWeight`).
+
+    Returns:
+      The tree with plain arrays in their place.
+    """
+
+    def is_q(x: Any) -> bool:
+        return isinstance(x, QuantizedWeight)
+
+    return jax.tree_util.tree_map(
+        lambda x: x.dequantize() if is_q(x) else x, params, is_leaf=is_q
+    )

@@ -1,0 +1,809 @@
+"""`qax.lora`: every handler against the materialized oracle, the tree helpers, training."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+
+import qax
+from qax.lora import LoraAdapter, LoraWeight
+from qax.testing import check_handler
+
+DTYPES = [jnp.float32, jnp.bfloat16]
+DTYPE_IDS = ["f32", "bf16"]
+
+
+def make_lora(shape, a_ndim=None, rank=3, dtype=jnp.float32, seed=0, freeze_w=False):
+    """A LoraWeight with random (non-zero) factors, so the low-rank part matters."""
+    p = len(shape) - 1 if a_ndim is None else a_ndim
+    kw, ka, kb = jax.random.split(jax.random.PRNGKey(seed), 3)
+    w = jax.random.normal(kw, shape).astype(dtype)
+    a = (0.5 * jax.random.normal(ka, (*shape[:p], rank))).astype(dtype)
+    b = (0.5 * jax.random.normal(kb, (rank, *shape[p:]))).astype(dtype)
+    return LoraWeight(w, a, b, alpha=2.0 * rank, freeze_w=freeze_w)
+
+
+def normal(shape, dtype=jnp.float32, seed=1):
+    return jax.random.normal(jax.random.PRNGKey(seed), shape).astype(dtype)
+
+
+def find_eqn(jaxpr, name):
+    """The first equation of primitive `name`, searching nested jaxprs too."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == name:
+            return eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found = find_eqn(sub, name)
+            if found is not None:
+                return found
+    return None
+
+
+def all_eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from all_eqns(sub)
+
+
+def check_primitive(fn, name, *args, **tol):
+    """`check_handler` for the `name` equation that `fn` produces on dense inputs.
+
+    The parameters are taken from the jaxpr of `fn` on the materialized arguments, so
+    they are exactly those the handler receives.
+    """
+    dense = [a.materialize() if isinstance(a, LoraWeight) else a for a in args]
+    eqn = find_eqn(jax.make_jaxpr(fn)(*dense).jaxpr, name)
+    assert eqn is not None, f"{fn} binds no {name}"
+    shapes = [tuple(v.aval.shape) for v in eqn.invars]
+    if shapes == [tuple(jnp.shape(a)) for a in args[::-1]]:
+        args = args[::-1]  # the weight is the left operand (W @ x)
+    assert shapes == [tuple(jnp.shape(a)) for a in args], (shapes, eqn)
+    low = any(jnp.result_type(a) == jnp.bfloat16 for a in args)
+    # bf16 keeps 8 bits of mantissa: sums of products in another order differ by a few
+    # units in the last place, relative to the largest term.
+    if low and not tol:
+        tol = dict(rtol=5e-2, atol=2e-1)
+    return check_handler(name, *args, **eqn.params, **tol)
+
+
+def assert_no_dense_weight(fn, *args, shape):
+    """Nothing the size of the weight is computed: no product has the weight's shape,
+    and nothing is materialized."""
+    with qax.materialization_policy(LoraWeight, "error"):
+        jaxpr = jax.make_jaxpr(qax.use_implicit_args(fn))(*args)
+    for eqn in all_eqns(jaxpr.jaxpr):
+        if eqn.primitive.name in ("dot_general", "add"):
+            for v in eqn.outvars:
+                assert tuple(v.aval.shape) != tuple(shape), (
+                    f"{eqn.primitive.name} builds a {shape} array:\n{eqn}"
+                )
+
+
+# ----------------------------------------------------------------------------------------
+# dot_general in every layout
+
+# (name, weight shape, a_ndim, x shape, function of (x, w))
+DOT_CASES = [
+    ("x@W", (6, 5), 1, (4, 6), lambda x, w: x @ w),
+    ("x3d@W", (6, 5), 1, (2, 4, 6), lambda x, w: x @ w),
+    ("x@W.T", (5, 6), 1, (4, 6), lambda x, w: jnp.einsum("bi,oi->bo", x, w)),
+    ("W@x", (5, 6), 1, (6, 4), lambda x, w: w @ x),
+    ("W.T@x", (6, 5), 1, (6, 4), lambda x, w: jnp.einsum("io,ib->ob", w, x)),
+    ("vec@W", (6, 5), 1, (6,), lambda x, w: x @ w),
+    ("W@vec", (5, 6), 1, (6,), lambda x, w: w @ x),
+    (
+        "q-proj",
+        (8, 2, 4),
+        1,
+        (2, 3, 8),
+        lambda x, w: jnp.einsum("btd,dhk->bthk", x, w),
+    ),
+    (
+        "out-proj",
+        (2, 4, 8),
+        2,
+        (2, 3, 2, 4),
+        lambda x, w: jnp.einsum("bthk,hkd->btd", x, w),
+    ),
+    (
+        "batch-on-a",
+        (3, 6, 5),
+        2,
+        (3, 4, 6),
+        lambda x, w: jnp.einsum("hbi,hio->hbo", x, w),
+    ),
+    (
+        "batch-on-a-contract-b",
+        (3, 6, 5),
+        1,
+        (3, 4, 6),
+        lambda x, w: jnp.einsum("hbi,hio->hbo", x, w),
+    ),
+    (
+        "batch-on-b",
+        (6, 3, 5),
+        1,
+        (3, 4, 6),
+        lambda x, w: jnp.einsum("hbi,iho->boh", x, w),
+    ),
+]
+
+
+def _with_dtypes(cases, bf16_names):
+    """Every case in f32; the named ones in bf16 too (each check runs five traces)."""
+    out = [pytest.param(*c, jnp.float32, id=f"{c[0]}-f32") for c in cases]
+    out += [
+        pytest.param(*c, jnp.bfloat16, id=f"{c[0]}-bf16")
+        for c in cases
+        if c[0] in bf16_names
+    ]
+    return out
+
+
+@pytest.mark.parametrize(
+    "name, shape, a_ndim, x_shape, fn, dtype",
+    _with_dtypes(DOT_CASES, {"x@W", "x3d@W", "W@x", "q-proj", "batch-on-b"}),
+)
+def test_dot_general_layouts(name, shape, a_ndim, x_shape, fn, dtype):
+    lora = make_lora(shape, a_ndim, dtype=dtype)
+    x = normal(x_shape, dtype)
+    report = check_primitive(fn, "dot_general", x, lora)
+    assert dict(report.checks) == {
+        "eager": "passed",
+        "jit": "passed",
+        "vmap": "passed",
+        "grad": "passed",
+    }
+    assert not report.materializations
+    assert_no_dense_weight(fn, x, lora, shape=shape)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_preferred_element_type_f32_over_bf16(dtype):
+    lora = make_lora((6, 5), dtype=jnp.bfloat16)
+    x = normal((4, 6), jnp.bfloat16)
+
+    def fn(x, w):
+        return lax.dot_general(
+            x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+
+    report = check_primitive(fn, "dot_general", x, lora)
+    assert report.checks[0] == ("eager", "passed")
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x, w: x @ w.T,
+        lambda x, w: (w @ x.T).T,
+        lambda x, w: jnp.dot(x, w.T.astype(jnp.bfloat16).astype(jnp.float32)),
+    ],
+    ids=["x@W.T", "W@x.T", "cast-roundtrip"],
+)
+def test_composed_layouts_stay_implicit(fn):
+    lora = make_lora((5, 6), 1)
+    x = normal((4, 6))
+    want = fn(x, lora.materialize())
+    with qax.materialization_policy(LoraWeight, "error"):
+        got = jax.jit(qax.use_implicit_args(fn))(x, lora)
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=5e-2)
+    assert_no_dense_weight(fn, x, lora, shape=(5, 6))
+    assert_no_dense_weight(fn, x, lora, shape=(6, 5))
+
+
+def test_the_handler_contracts_x_with_the_matching_factor_first():
+    """x @ W.T with W (out, in): x contracts with b's axis, so x·b comes first and every
+    intermediate has the rank axis (no (batch, in) x (in, out) dense detour)."""
+    lora = make_lora((5, 64), 1, rank=2)
+    x = normal((7, 64))
+    jaxpr = jax.make_jaxpr(qax.use_implicit_args(lambda x, w: x @ w.T))(x, lora)
+    shapes = [
+        tuple(e.outvars[0].aval.shape)
+        for e in all_eqns(jaxpr.jaxpr)
+        if e.primitive.name == "dot_general"
+    ]
+    assert sorted(shapes) == sorted([(7, 5), (7, 2), (7, 5)])
+
+
+# ----------------------------------------------------------------------------------------
+# Convolutions
+
+CONV_CASES = [
+    # (name, x shape, kernel shape, a_ndim, dimension_numbers)
+    ("1d-flax", (2, 9, 3), (3, 3, 4), 2, ("NWC", "WIO", "NWC")),
+    ("2d-flax", (2, 7, 6, 3), (3, 3, 3, 4), 3, ("NHWC", "HWIO", "NHWC")),
+    ("3d-flax", (1, 5, 5, 4, 2), (2, 2, 2, 2, 3), 4, ("NDHWC", "DHWIO", "NDHWC")),
+    ("2d-equinox", (2, 3, 7, 6), (4, 3, 3, 3), 1, ("NCHW", "OIHW", "NCHW")),
+]
+
+
+@pytest.mark.parametrize(
+    "name, x_shape, k_shape, a_ndim, dn, dtype",
+    _with_dtypes(CONV_CASES, {"2d-flax", "2d-equinox"}),
+)
+def test_convolutions(name, x_shape, k_shape, a_ndim, dn, dtype):
+    lora = make_lora(k_shape, a_ndim, rank=2, dtype=dtype)
+    x = normal(x_shape, dtype)
+    spatial = len(k_shape) - 2
+
+    def fn(x, w):
+        return lax.conv_general_dilated(
+            x,
+            w,
+            window_strides=(1,) * spatial,
+            padding="SAME",
+            rhs_dilation=(2,) + (1,) * (spatial - 1),
+            dimension_numbers=dn,
+        )
+
+    report = check_primitive(fn, "conv_general_dilated", x, lora)
+    assert dict(report.checks)["grad"] == "passed"
+    assert not report.materializations
+    with qax.materialization_policy(LoraWeight, "error"):
+        jaxpr = jax.make_jaxpr(qax.use_implicit_args(fn))(x, lora)
+    # One convolution with the base kernel, one with the rank-`r` factor.
+    convs = [e for e in all_eqns(jaxpr.jaxpr) if e.primitive.name.startswith("conv")]
+    kernels = sorted(tuple(e.invars[1].aval.shape) for e in convs)
+    factor = lora.a.shape if a_ndim == len(k_shape) - 1 else lora.b.shape
+    assert kernels == sorted([k_shape, factor])
+
+
+def test_grouped_convolution_falls_back_with_a_warning():
+    lora = make_lora((3, 3, 2, 4), rank=2)
+    x = normal((1, 5, 5, 4))
+
+    def fn(x, w):
+        return lax.conv_general_dilated(
+            x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+            feature_group_count=2,
+        )  # fmt: skip
+
+    with pytest.warns(qax.MaterializationWarning, match="conv_general_dilated"):
+        got = qax.use_implicit_args(fn)(x, lora)
+    np.testing.assert_allclose(got, fn(x, lora.materialize()), rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------
+# Embedding lookups and the structural ops
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda w, ids: w[ids],
+        lambda w, ids: jnp.take(w, ids, axis=0),
+        lambda w, ids: w[ids[0, 0]],
+    ],
+    ids=["index", "take", "one-row"],
+)
+def test_embedding_lookup(fn, dtype):
+    lora = make_lora((10, 6), dtype=dtype)
+    ids = jnp.array([[1, 9, 0], [4, 4, 2]])
+    want = fn(lora.materialize(), ids)
+    with qax.materialization_policy(LoraWeight, "error"):
+        got = jax.jit(qax.use_implicit_args(fn))(lora, ids)
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2
+    )
+    assert_no_dense_weight(fn, lora, ids, shape=(10, 6))
+    # check_handler on the gather itself, with the indices as `jnp` prepares them.
+    eqn = find_eqn(jax.make_jaxpr(fn)(lora.materialize(), ids).jaxpr, "gather")
+    if eqn is not None:
+        index_shape = tuple(eqn.invars[1].aval.shape)
+        indices = jnp.reshape(ids.ravel()[: int(np.prod(index_shape))], index_shape)
+        report = check_handler("gather", lora, indices, **eqn.params)
+        assert not report.materializations
+
+
+def test_column_gather_falls_back():
+    lora = make_lora((10, 6))
+    with pytest.warns(qax.MaterializationWarning, match="gather"):
+        got = qax.use_implicit_args(lambda w: w[:, jnp.array([0, 2])])(lora)
+    np.testing.assert_allclose(got, lora.materialize()[:, jnp.array([0, 2])], rtol=1e-6)
+
+
+STRUCTURAL = [
+    ("transpose", (6, 5), 1, lambda w: w.T),
+    ("transpose-3d-keep", (2, 3, 4), 2, lambda w: jnp.transpose(w, (1, 0, 2))),
+    ("transpose-3d-swap", (2, 3, 4), 1, lambda w: jnp.transpose(w, (2, 1, 0))),
+    ("reshape-qkv", (4, 12), 1, lambda w: w.reshape(4, 3, 4)),
+    ("reshape-merge", (2, 3, 4), 2, lambda w: w.reshape(6, 4)),
+    ("squeeze", (1, 4, 5), 2, lambda w: jnp.squeeze(w, 0)),
+    ("slice-b", (4, 12), 1, lambda w: w[:, 4:8]),
+    ("slice-a", (6, 5), 1, lambda w: w[1:5:2]),
+    ("split", (4, 12), 1, lambda w: jnp.split(w, 3, axis=1)[1]),
+    ("astype-bf16", (6, 5), 1, lambda w: w.astype(jnp.bfloat16)),
+    ("scalar-mul", (6, 5), 1, lambda w: w * 3.0),
+    ("traced-scalar-mul", (6, 5), 1, lambda w: w * jnp.float32(0.5)),
+]
+
+
+@pytest.mark.parametrize(
+    "name, shape, a_ndim, fn", STRUCTURAL, ids=[c[0] for c in STRUCTURAL]
+)
+def test_structural_ops_stay_implicit(name, shape, a_ndim, fn):
+    lora = make_lora(shape, a_ndim)
+    with qax.materialization_policy(LoraWeight, "error"):
+        out = qax.use_implicit_args(fn)(lora)
+    assert isinstance(out, LoraWeight), type(out)
+    want = fn(lora.materialize())
+    got = out.materialize()
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2
+    )
+
+
+def test_structural_handlers_pass_check_handler():
+    lora = make_lora((4, 12))
+    check_primitive(lambda w: w.T, "transpose", lora)
+    check_primitive(lambda w: w.reshape(4, 3, 4), "reshape", lora)
+    check_primitive(lambda w: w[:, 4:8], "slice", lora)
+    # Gradients through a bf16 cast are rounded to bf16.
+    check_primitive(
+        lambda w: w.astype(jnp.bfloat16),
+        "convert_element_type",
+        lora,
+        rtol=2e-2,
+        atol=5e-2,
+    )
+    check_primitive(lambda w, c: w * c, "mul", lora, jnp.float32(3.0))
+
+
+def test_fused_qkv_kernel_split_then_used():
+    """A fused (d, 3d) kernel: x @ W, split into q, k, v; and the weight itself split."""
+    d = 4
+    lora = make_lora((d, 3 * d))
+    x = normal((2, 5, d))
+
+    def fused(x, w):
+        q, k, v = jnp.split(w.reshape(d, 3, d), 3, axis=1)
+        return sum(jnp.einsum("btd,de->bte", x, t[:, 0]) for t in (q, k, v))
+
+    want = fused(x, lora.materialize())
+    with qax.materialization_policy(LoraWeight, "error"):
+        got = jax.jit(qax.use_implicit_args(fused))(x, lora)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_bf16_compute_over_f32_factors():
+    lora = make_lora((6, 5))
+    x = normal((4, 6))
+
+    def fn(x, w):
+        return jnp.sum((x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)) ** 2)
+
+    want_val, want_grad = jax.value_and_grad(
+        lambda ab: fn(x, dataclasses.replace(lora, a=ab[0], b=ab[1]).materialize())
+    )((lora.a, lora.b))
+    with qax.materialization_policy(LoraWeight, "error"):
+        val, grad = jax.value_and_grad(
+            lambda ab: qax.use_implicit_args(fn)(
+                x, dataclasses.replace(lora, a=ab[0], b=ab[1])
+            )
+        )((lora.a, lora.b))
+    assert grad[0].dtype == jnp.float32 and grad[1].dtype == jnp.float32
+    np.testing.assert_allclose(val, want_val, rtol=2e-2)
+    for g, w in zip(grad, want_grad, strict=True):
+        np.testing.assert_allclose(g, w, rtol=5e-2, atol=5e-2 * np.abs(w).max())
+
+
+# ----------------------------------------------------------------------------------------
+# Transformations around and inside
+
+
+def mlp(params, x):
+    h = jax.nn.gelu(x @ params["w1"])
+    return h @ params["w2"]
+
+
+def mlp_params(freeze_w=False, dtype=jnp.float32):
+    return {
+        "w1": make_lora((6, 8), seed=1, freeze_w=freeze_w, dtype=dtype),
+        "w2": make_lora((8, 5), seed=2, freeze_w=freeze_w, dtype=dtype),
+    }
+
+
+def dense(params):
+    return qax.lora.merge(params)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_jit_grad_vmap_scan(dtype):
+    params = mlp_params(dtype=dtype)
+    xs = normal((5, 4, 6), dtype)
+
+    def close(got, want):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        if dtype == jnp.bfloat16:  # 8 mantissa bits: errors relative to the largest
+            tol = dict(rtol=3e-2, atol=3e-2 * np.abs(want).max())
+        else:
+            tol = dict(rtol=1e-4, atol=1e-5 * np.abs(want).max())
+        np.testing.assert_allclose(got, want, **tol)
+
+    def scanned(params, xs):
+        def body(c, x):
+            y = mlp(params, x)
+            return c + jnp.sum(y), y
+
+        return lax.scan(body, jnp.zeros((), xs.dtype), xs)
+
+    def loss(params, x):
+        return jnp.sum(mlp(params, x).astype(jnp.float32) ** 2)
+
+    with qax.materialization_policy(LoraWeight, "error"):
+        got_jit = jax.jit(qax.use_implicit_args(mlp))(params, xs[0])
+        got_vmap = jax.vmap(qax.use_implicit_args(mlp), in_axes=(None, 0))(params, xs)
+        got_scan = jax.jit(qax.use_implicit_args(scanned))(params, xs)
+        got_grad = jax.grad(qax.use_implicit_args(loss))(params, xs[0])
+    d = dense(params)
+    close(got_jit, mlp(d, xs[0]))
+    close(got_vmap, jax.vmap(mlp, in_axes=(None, 0))(d, xs))
+    close(got_scan[1], scanned(d, xs)[1])
+
+    def loss_of_factors(factors):
+        rebuilt = {
+            k: dataclasses.replace(params[k], a=factors[k][0], b=factors[k][1])
+            for k in params
+        }
+        return loss(dense(rebuilt), xs[0])
+
+    want = jax.grad(loss_of_factors)({k: (v.a, v.b) for k, v in params.items()})
+    for k in params:
+        assert isinstance(got_grad[k], LoraWeight)
+        close(got_grad[k].a, want[k][0])
+        close(got_grad[k].b, want[k][1])
+
+
+def test_freeze_w_leaves_no_weight_sized_gradient_in_the_jaxpr():
+    params = mlp_params(freeze_w=True)
+    x = normal((4, 6))
+
+    def loss(params, x):
+        return jnp.sum(mlp(params, x) ** 2)
+
+    grad_fn = jax.grad(qax.use_implicit_args(loss))
+    grads = grad_fn(params, x)
+    for k in params:
+        assert not np.any(np.asarray(grads[k].w)), "w got a gradient"
+        assert np.any(np.asarray(grads[k].b))
+    jaxpr = jax.make_jaxpr(grad_fn)(params, x)
+    shapes = {tuple(p.shape) for p in (params["w1"], params["w2"])}
+    products = [
+        tuple(v.aval.shape)
+        for e in all_eqns(jaxpr.jaxpr)
+        if e.primitive.name in ("dot_general", "transpose", "mul", "add")
+        for v in e.outvars
+    ]
+    assert not shapes & set(products), products
+    # Without the option, the w gradient is computed (and matches the dense one).
+    unfrozen = mlp_params(freeze_w=False)
+    jaxpr = jax.make_jaxpr(grad_fn)(unfrozen, x)
+    assert any(
+        tuple(e.outvars[0].aval.shape) in ((6, 8), (8, 6))
+        for e in all_eqns(jaxpr.jaxpr)
+        if e.primitive.name == "dot_general"
+    )
+
+
+def test_w_gradient_matches_dense_when_not_frozen():
+    params = mlp_params(freeze_w=False)
+    x = normal((4, 6))
+    grads = jax.grad(qax.use_implicit_args(lambda p: jnp.sum(mlp(p, x) ** 2)))(params)
+
+    def dense_loss(ws):
+        rebuilt = {k: dataclasses.replace(params[k], w=ws[k]) for k in params}
+        return jnp.sum(mlp(dense(rebuilt), x) ** 2)
+
+    want = jax.grad(dense_loss)({k: v.w for k, v in params.items()})
+    for k in params:
+        np.testing.assert_allclose(grads[k].w, want[k], rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------
+# Construction
+
+
+def test_bad_factor_shapes_are_rejected():
+    with pytest.raises(ValueError, match=r"a \(\*A, rank\)|\(in, rank\)"):
+        LoraWeight(jnp.ones((4, 3)), jnp.ones((4, 2)), jnp.ones((3, 2)))
+    with pytest.raises(ValueError, match="do not fit"):
+        LoraWeight(jnp.ones((4, 3)), jnp.ones((5, 2)), jnp.ones((2, 3)))
+
+
+def test_shape_dtype_rank_scale():
+    lora = LoraWeight(
+        jnp.ones((4, 3), jnp.bfloat16), jnp.ones((4, 2)), jnp.ones((2, 3)), alpha=8
+    )
+    assert lora.shape == (4, 3) and lora.dtype == jnp.float32
+    assert lora.rank == 2 and lora.scale == 4.0
+    np.testing.assert_allclose(lora.materialize(), 1 + 4 * 2 * np.ones((4, 3)))
+
+
+# ----------------------------------------------------------------------------------------
+# Parameter trees: loraify, merge, split, combine, trainable_count
+
+
+def linen_params():
+    flax = pytest.importorskip("flax")
+    nn = flax.linen
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, ids):
+            x = nn.Embed(11, 8, name="embed")(ids)
+            x = nn.LayerNorm(name="ln_1")(x)
+            x = nn.Dense(16, name="up")(x)
+            x = nn.Conv(8, (3,), name="conv")(jax.nn.relu(x))
+            return nn.Dense(11, name="head")(x)
+
+    model = Model()
+    ids = jnp.array([[1, 2, 3, 4]])
+    return model, model.init(jax.random.PRNGKey(0), ids)["params"], ids
+
+
+def test_loraify_linen_default_filter_merge_and_outputs():
+    model, params, ids = linen_params()
+    lora = qax.lora.loraify(params, 2, key=jax.random.PRNGKey(1), alpha=4.0)
+    wrapped = {
+        qax.lora.path_string(p)
+        for p, x in jax.tree_util.tree_flatten_with_path(
+            lora, is_leaf=lambda x: isinstance(x, LoraWeight)
+        )[0]
+        if isinstance(x, LoraWeight)
+    }
+    assert wrapped == {"up/kernel", "conv/kernel", "head/kernel"}
+    assert lora["conv"]["kernel"].a.shape == (3, 16, 2)
+    assert lora["conv"]["kernel"].b.shape == (2, 8)
+    # b starts at zero: the model is unchanged; after perturbing b, merge() agrees.
+    with qax.materialization_policy(LoraWeight, "error"):
+        same = qax.use_implicit_args(model.apply)({"params": lora}, ids)
+    np.testing.assert_allclose(same, model.apply({"params": params}, ids), atol=1e-6)
+    lora = jax.tree_util.tree_map(
+        lambda x: (
+            dataclasses.replace(x, b=x.b + 0.1) if isinstance(x, LoraWeight) else x
+        ),
+        lora,
+        is_leaf=lambda x: isinstance(x, LoraWeight),
+    )
+    with qax.materialization_policy(LoraWeight, "error"):
+        got = jax.jit(qax.use_implicit_args(model.apply))({"params": lora}, ids)
+    want = model.apply({"params": qax.lora.merge(lora)}, ids)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(want, model.apply({"params": params}, ids))
+    assert qax.lora.trainable_count(lora) == (8 * 2 + 2 * 16) + (3 * 16 * 2 + 2 * 8) + (
+        8 * 2 + 2 * 11
+    )
+
+
+def test_loraify_nnx_state():
+    nnx = pytest.importorskip("flax.nnx")
+    model = nnx.Sequential(
+        nnx.Linear(6, 8, rngs=nnx.Rngs(0)),
+        nnx.LayerNorm(8, rngs=nnx.Rngs(0)),
+        nnx.Linear(8, 3, rngs=nnx.Rngs(1)),
+    )
+    graphdef, state = nnx.split(model)
+    lora = qax.lora.loraify(state, 2, key=jax.random.PRNGKey(0))
+    assert qax.lora.trainable_count(lora) == (6 * 2 + 2 * 8) + (8 * 2 + 2 * 3)
+    x = normal((4, 6))
+
+    def apply(state, x):
+        return nnx.merge(graphdef, state)(x)
+
+    with qax.materialization_policy(LoraWeight, "error"):
+        got = qax.use_implicit_args(apply)(lora, x)
+    np.testing.assert_allclose(got, model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_loraify_equinox_module():
+    eqx = pytest.importorskip("equinox")
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    model = eqx.nn.Sequential(
+        [
+            eqx.nn.Conv2d(3, 4, 3, padding=1, key=keys[0]),
+            eqx.nn.Lambda(lambda x: x.reshape(-1)),
+            eqx.nn.Linear(4 * 5 * 5, 7, key=keys[1]),
+        ]
+    )
+    lora = qax.lora.loraify(model, 2, key=keys[2], a_ndim=1)
+    lora = jax.tree_util.tree_map(
+        lambda x: (
+            dataclasses.replace(x, b=x.b + 0.05) if isinstance(x, LoraWeight) else x
+        ),
+        lora,
+        is_leaf=lambda x: isinstance(x, LoraWeight),
+    )
+    assert qax.lora.trainable_count(lora) == (4 * 2 + 2 * 3 * 9) + (7 * 2 + 2 * 100)
+    x = normal((3, 5, 5))
+    with qax.materialization_policy(LoraWeight, "error"):
+        got = qax.use_implicit_args(lambda m, x: m(x))(lora, x)
+    np.testing.assert_allclose(got, qax.lora.merge(lora)(x), rtol=1e-5, atol=1e-5)
+
+
+def test_loraify_filter_and_errors():
+    params = {"a": jnp.ones((4, 3)), "b": jnp.ones((4, 3)), "bias": jnp.ones(3)}
+    only_a = qax.lora.loraify(
+        params, 1, key=jax.random.PRNGKey(0), filter=lambda path, x: path == "a"
+    )
+    assert isinstance(only_a["a"], LoraWeight) and not isinstance(
+        only_a["b"], LoraWeight
+    )
+    with pytest.raises(ValueError, match="rank must be a positive integer"):
+        qax.lora.loraify(params, 0, key=jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match="a_ndim=2 .* 'a' of shape \\(4, 3\\)"):
+        qax.lora.loraify(params, 1, key=jax.random.PRNGKey(0), a_ndim=2)
+    # Already-LoRA weights are left alone.
+    again = qax.lora.loraify(only_a, 1, key=jax.random.PRNGKey(0))
+    assert again["a"] is only_a["a"]
+
+
+def test_split_combine_round_trip_and_errors():
+    _, params, _ = linen_params()
+    lora = qax.lora.loraify(params, 2, key=jax.random.PRNGKey(1), alpha=4.0)
+    adapters, base = qax.lora.split(lora)
+    # base is exactly the original parameters; adapters hold only the factors.
+    assert jax.tree_util.tree_structure(base) == jax.tree_util.tree_structure(params)
+    for x, y in zip(
+        jax.tree_util.tree_leaves(base), jax.tree_util.tree_leaves(params), strict=True
+    ):
+        assert x is y
+    leaves = jax.tree_util.tree_leaves(adapters)
+    assert sum(x.size for x in leaves) == qax.lora.trainable_count(lora)
+    assert qax.lora.trainable_count(adapters) == qax.lora.trainable_count(lora)
+    assert isinstance(adapters["up"]["kernel"], LoraAdapter)
+    assert adapters["up"]["bias"] is None and adapters["embed"]["embedding"] is None
+    back = qax.lora.combine(adapters, base)
+    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(lora)
+    assert back["up"]["kernel"].alpha == 4.0
+    with pytest.raises(ValueError, match="combine: `adapters` must have the structure"):
+        qax.lora.combine(adapters, {"up": base["up"]})
+
+
+def test_training_recipe_factors_only():
+    """The documented recipe: adam state for the factors only, base untouched."""
+    params = {
+        "w1": jax.random.normal(jax.random.PRNGKey(0), (6, 8)),
+        "w2": jax.random.normal(jax.random.PRNGKey(1), (8, 3)),
+    }
+    x, y = normal((16, 6), seed=2), normal((16, 3), seed=3)
+    lora = qax.lora.loraify(params, 2, key=jax.random.PRNGKey(4), alpha=4.0)
+    adapters, base = qax.lora.split(lora)
+    opt = optax.adam(3e-2)
+    opt_state = opt.init(adapters)
+    moments = sum(
+        x.size for x in jax.tree_util.tree_leaves(opt_state) if jnp.ndim(x) > 0
+    )
+    assert moments == 2 * qax.lora.trainable_count(adapters)
+
+    def loss_fn(params, x, y):
+        return jnp.mean((mlp(params, x) - y) ** 2)
+
+    @jax.jit
+    def step(adapters, opt_state, base):
+        def loss(adapters):
+            params = qax.lora.combine(adapters, base)
+            return qax.use_implicit_args(loss_fn)(params, x, y)
+
+        value, grads = jax.value_and_grad(loss)(adapters)
+        updates, opt_state = opt.update(grads, opt_state, adapters)
+        return optax.apply_updates(adapters, updates), opt_state, value
+
+    with qax.materialization_policy(LoraWeight, "error"):
+        losses = []
+        for _ in range(40):
+            adapters, opt_state, value = step(adapters, opt_state, base)
+            losses.append(float(value))
+    assert losses[-1] < 0.7 * losses[0], losses
+    assert base["w1"] is params["w1"]
+    trained = qax.lora.combine(adapters, base)
+    np.testing.assert_allclose(
+        loss_fn(qax.lora.merge(trained), x, y), losses[-1], rtol=0.2
+    )
+
+
+def test_default_filter():
+    w = jnp.ones((4, 4))
+    assert qax.lora.default_filter("h_0/attn/c_attn/kernel", w)
+    assert qax.lora.default_filter("layers/0/mlp/value", w)
+    for path in (
+        "wte",
+        "embed/embedding",
+        "ln_f/scale",
+        "h_0/ln_1/kernel",
+        "RMSNorm_0/w",
+    ):
+        assert not qax.lora.default_filter(path, w), path
+    assert not qax.lora.default_filter("bias", jnp.ones(4))
+    assert not qax.lora.default_filter("ids", jnp.ones((4, 4), jnp.int32))
+
+
+def test_merge_outside_use_implicit_args_warns_nothing():
+    params = mlp_params()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        merged = qax.lora.merge(params)
+    np.testing.assert_allclose(merged["w1"], params["w1"].materialize())
+
+
+# ----------------------------------------------------------------------------------------
+# Stacked weights (layers under lax.scan)
+
+
+def stacked_model(layers, x):
+    def body(h, p):
+        return jnp.tanh(h @ p["w1"]) @ p["w2"], None
+
+    return lax.scan(body, x, layers)[0]
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["lora", "qlora"])
+def test_scan_over_stacked_lora_weights_stays_implicit(quantized):
+    layers = {
+        "w1": normal((3, 8, 32), seed=1) * 0.3,
+        "w2": normal((3, 32, 8), seed=2) * 0.3,
+    }
+    if quantized:
+        layers = qax.quant.quantize(layers, "nf4", block_size=8, batch_ndim=1)
+    lora = qax.lora.loraify(layers, 2, key=jax.random.PRNGKey(0), batch_ndim=1)
+    lora = jax.tree_util.tree_map(
+        lambda w: dataclasses.replace(w, b=w.b + 0.1),
+        lora,
+        is_leaf=lambda x: isinstance(x, LoraWeight),
+    )
+    w1 = lora["w1"]
+    assert (
+        w1.shape == (3, 8, 32) and w1.a.shape == (3, 8, 2) and w1.b.shape == (3, 2, 32)
+    )
+    x = normal((4, 8), seed=3)
+    want = stacked_model(qax.lora.merge(lora), x)
+    with qax.materialization_policy(LoraWeight, "error"):
+        with qax.materialization_policy(qax.quant.NF4Weight, "error"):
+            got = jax.jit(qax.use_implicit_args(stacked_model))(lora, x)
+            jaxpr = jax.make_jaxpr(qax.use_implicit_args(stacked_model))(lora, x)
+            # vmap over the stack too: layer i's weight applied to x.
+            per_layer = jax.vmap(
+                qax.use_implicit_args(lambda w, x: x @ w), in_axes=(0, None)
+            )(lora["w1"], x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        per_layer, jnp.einsum("bi,lio->lbo", x, qax.lora.merge(lora)["w1"]), rtol=1e-5,
+        atol=1e-5,
+    )  # fmt: skip
+    scan = find_eqn(jaxpr.jaxpr, "scan")
+    body_shapes = [
+        tuple(v.aval.shape)
+        for e in all_eqns(scan.params["jaxpr"].jaxpr)
+        if e.primitive.name == "dot_general"
+        for v in e.outvars
+    ]
+    assert (8, 32) not in body_shapes and (32, 8) not in body_shapes
+
+    # Training the stacked factors through the scan.
+    adapters, base = qax.lora.split(lora)
+
+    def loss(adapters):
+        params = qax.lora.combine(adapters, base)
+        return jnp.sum(qax.use_implicit_args(stacked_model)(params, x) ** 2)
+
+    grads = jax.grad(loss)(adapters)
+    want_grads = jax.grad(
+        lambda ad: jnp.sum(
+            stacked_model(qax.lora.merge(qax.lora.combine(ad, base)), x) ** 2
+        )
+    )(adapters)
+    for g, w in zip(
+        jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads)
+    ):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)

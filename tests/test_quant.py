@@ -1,0 +1,404 @@
+"""`qax.quant`: formats, handlers against the decoded oracle, trees, and QLoRA."""
+
+from __future__ import annotations
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+
+import qax
+from qax.lora import LoraWeight
+from qax.quant import NF4_LEVELS, Int4Weight, Int8Weight, NF4Weight, QuantizedWeight
+from qax.testing import check_handler
+
+FORMATS = [
+    pytest.param(lambda w: Int8Weight.from_array(w), id="int8"),
+    pytest.param(lambda w: Int4Weight.from_array(w, group_size=16), id="int4"),
+    pytest.param(lambda w: NF4Weight.from_array(w, block_size=16), id="nf4"),
+]
+
+
+def normal(shape, seed=0, dtype=jnp.float32):
+    return jax.random.normal(jax.random.PRNGKey(seed), shape).astype(dtype)
+
+
+def all_eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from all_eqns(sub)
+
+
+def find_eqn(jaxpr, name):
+    return next((e for e in all_eqns(jaxpr) if e.primitive.name == name), None)
+
+
+def strict():
+    """Materializing any quantized or LoRA weight is an error inside this block."""
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    for cls in (Int8Weight, Int4Weight, NF4Weight, LoraWeight):
+        stack.enter_context(qax.materialization_policy(cls, "error"))
+    return stack
+
+
+# ----------------------------------------------------------------------------------------
+# The formats
+
+
+def test_nf4_levels():
+    levels = np.asarray(NF4_LEVELS)
+    assert levels.shape == (16,) and np.all(np.diff(levels) > 0)
+    assert levels[0] == -1 and levels[-1] == 1 and 0.0 in levels
+    assert (levels < 0).sum() == 7 and (levels > 0).sum() == 8
+    # Levels sit at normal quantiles: denser near zero than at the ends.
+    gaps = np.diff(levels)
+    assert gaps[7] < gaps[0] and gaps[8] < gaps[-1]
+
+
+@pytest.mark.parametrize("make", FORMATS)
+def test_round_trip_error_is_within_half_a_step(make):
+    w = normal((8, 64))
+    q = make(w)
+    err = np.abs(np.asarray(q.dequantize() - w))
+    if isinstance(q, Int8Weight):
+        step = np.broadcast_to(np.asarray(q.scale), w.shape)
+    elif isinstance(q, Int4Weight):
+        step = np.repeat(np.asarray(q.scale), q.group_size, axis=-1)
+    else:  # the largest gap between NF4 levels, times the block's absmax
+        step = np.repeat(np.asarray(q.absmax), q.block_size, axis=-1) * np.max(
+            np.diff(NF4_LEVELS)
+        )
+    assert np.all(err <= step / 2 + 1e-6)
+    assert q.shape == w.shape and q.dtype == w.dtype
+
+
+def test_storage_really_is_8_and_4_bits():
+    w = normal((64, 256))
+    int8 = Int8Weight.from_array(w)
+    int4 = Int4Weight.from_array(w, group_size=64)
+    nf4 = NF4Weight.from_array(w, block_size=64)
+    assert int8.q.dtype == jnp.int8 and int8.q.nbytes == w.size
+    assert int4.packed.dtype == jnp.uint8 and int4.packed.nbytes == w.size // 2
+    assert nf4.packed.dtype == jnp.uint8 and nf4.packed.nbytes == w.size // 2
+    assert int4.scale.size == nf4.absmax.size == w.size // 64
+    assert nf4.nbytes == w.size // 2 + 4 * (w.size // 64)
+
+
+def test_nf4_beats_int4_on_normal_weights():
+    w = normal((256, 256), seed=3)
+    nf4 = NF4Weight.from_array(w, block_size=64).dequantize()
+    int4 = Int4Weight.from_array(w, group_size=64).dequantize()
+    rms = lambda d: float(jnp.sqrt(jnp.mean((d - w) ** 2)))  # noqa: E731
+    assert rms(nf4) < 0.95 * rms(int4), (rms(nf4), rms(int4))
+
+
+def test_zero_weights_and_bad_shapes():
+    for cls in (Int8Weight, Int4Weight, NF4Weight):
+        zero = cls.from_array(jnp.zeros((4, 64)))
+        np.testing.assert_array_equal(zero.dequantize(), 0)
+    with pytest.raises(ValueError, match="multiple of block_size=64"):
+        NF4Weight.from_array(jnp.ones((4, 65)))
+    with pytest.raises(ValueError, match="group_size=3"):
+        Int4Weight.from_array(jnp.ones((4, 6)), group_size=3)
+
+
+# ----------------------------------------------------------------------------------------
+# Handlers against "decode, then run the primitive"
+
+
+def check(fn, name, *args, **tol):
+    """`check_handler` on the `name` equation `fn` binds, with its exact params."""
+    dense = [a.materialize() if isinstance(a, qax.ImplicitArray) else a for a in args]
+    eqn = find_eqn(jax.make_jaxpr(fn)(*dense).jaxpr, name)
+    shapes = [tuple(v.aval.shape) for v in eqn.invars]
+    if shapes == [tuple(jnp.shape(a)) for a in args[::-1]]:
+        args = args[::-1]
+    assert shapes == [tuple(jnp.shape(a)) for a in args], (shapes, eqn)
+    report = check_handler(name, *args, **eqn.params, **tol)
+    assert not report.materializations
+    return report
+
+
+DOTS = [
+    ("x@W", (3, 32), lambda x, w: x @ w),
+    ("W@x", (32, 5), lambda x, w: jnp.einsum("io,ib->ob", w, x)),
+    ("x@W.T", (3, 16), lambda x, w: jnp.einsum("bo,io->bi", x, w)),
+    ("batched", (2, 3, 32), lambda x, w: jnp.einsum("hbi,io->hbo", x, w)),
+]
+
+
+@pytest.mark.parametrize("make", FORMATS)
+@pytest.mark.parametrize("name, x_shape, fn", DOTS, ids=[d[0] for d in DOTS])
+def test_dot_general(make, name, x_shape, fn):
+    q = make(normal((32, 16)))
+    check(fn, "dot_general", normal(x_shape, seed=1), q)
+
+
+@pytest.mark.parametrize("make", FORMATS)
+def test_conv(make):
+    kernel = make(normal((3, 3, 4, 16)))
+    x = normal((2, 6, 6, 4), seed=1)
+
+    def fn(x, w):
+        return lax.conv_general_dilated(
+            x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
+
+    check(fn, "conv_general_dilated", x, kernel)
+
+
+@pytest.mark.parametrize("make", FORMATS)
+def test_embedding_gather_decodes_only_the_rows(make):
+    table = make(normal((50, 32)))
+    ids = jnp.array([[3, 49, 0], [7, 7, 1]])
+    fn = lambda w, i: w[i]  # noqa: E731
+    with strict():
+        got = jax.jit(qax.use_implicit_args(fn))(table, ids)
+        jaxpr = jax.make_jaxpr(qax.use_implicit_args(fn))(table, ids)
+    np.testing.assert_array_equal(got, table.dequantize()[ids])
+    # Nothing of the table's size is decoded: only gathered rows become floats.
+    floats = [
+        tuple(v.aval.shape)
+        for e in all_eqns(jaxpr.jaxpr)
+        for v in e.outvars
+        if jnp.issubdtype(v.aval.dtype, jnp.floating)
+    ]
+    assert all(int(np.prod(s)) <= ids.size * 32 for s in floats), floats
+    eqn = find_eqn(jax.make_jaxpr(fn)(table.dequantize(), ids).jaxpr, "gather")
+    check_handler("gather", table, ids[..., None], **eqn.params)
+
+
+@pytest.mark.parametrize("make", FORMATS)
+def test_convert_mul_stop_gradient_stay_quantized(make):
+    q = make(normal((16, 32)))
+    with strict():
+        bf16 = qax.use_implicit_args(lambda w: w.astype(jnp.bfloat16))(q)
+        scaled = qax.use_implicit_args(lambda w: w * 3.0)(q)
+        stopped = qax.use_implicit_args(lax.stop_gradient)(q)
+    assert type(bf16) is type(q) and bf16.dtype == jnp.bfloat16
+    np.testing.assert_allclose(
+        np.asarray(bf16.dequantize(), np.float32),
+        np.asarray(q.dequantize().astype(jnp.bfloat16), np.float32),
+        rtol=1e-2,
+    )
+    assert type(scaled) is type(q)
+    np.testing.assert_allclose(scaled.dequantize(), 3 * q.dequantize(), rtol=1e-6)
+    assert type(stopped) is type(q)
+    # Decoding in bf16 sums the scales' gradients in bf16.
+    check(
+        lambda w: w.astype(jnp.bfloat16), "convert_element_type", q, rtol=5e-2, atol=5.0
+    )
+    check(lambda w, c: w * c, "mul", q, jnp.float32(0.5))
+
+
+def test_int8_transpose_stays_int8():
+    q = Int8Weight.from_array(normal((16, 32)))
+    with strict():
+        t = qax.use_implicit_args(lambda w: w.T)(q)
+    assert isinstance(t, Int8Weight) and t.shape == (32, 16)
+    np.testing.assert_array_equal(t.dequantize(), q.dequantize().T)
+
+
+# ----------------------------------------------------------------------------------------
+# Models, transformations, dtypes
+
+
+def mlp(params, x):
+    return jax.nn.relu(x @ params["w1"]) @ params["w2"]
+
+
+def mlp_params(seed=0):
+    return {"w1": normal((32, 64), seed), "w2": normal((64, 32), seed + 1) * 0.1}
+
+
+OPTIONS = {"int8": {}, "int4": {"group_size": 32}, "nf4": {"block_size": 32}}
+
+
+@pytest.mark.parametrize("fmt", sorted(OPTIONS))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_model_under_jit_grad_vmap_scan(fmt, dtype):
+    params = qax.quant.quantize(mlp_params(), fmt, **OPTIONS[fmt])
+    dense = qax.quant.dequantize(params)
+    xs = normal((4, 5, 32), seed=9, dtype=dtype)
+
+    def cast(params):
+        return {k: v.astype(dtype) for k, v in params.items()}
+
+    def model(params, x):
+        return mlp(cast(params), x)
+
+    def scanned(params, xs):
+        return lax.scan(lambda c, x: (c, model(params, x)), 0.0, xs)[1]
+
+    def loss(params, x):
+        return jnp.sum(model(params, x).astype(jnp.float32) ** 2)
+
+    with strict():
+        got = {
+            "jit": jax.jit(qax.use_implicit_args(model))(params, xs[0]),
+            "vmap": jax.vmap(qax.use_implicit_args(model), (None, 0))(params, xs),
+            "scan": jax.jit(qax.use_implicit_args(scanned))(params, xs),
+            "grad_x": jax.grad(qax.use_implicit_args(loss), argnums=1)(params, xs[0]),
+        }
+    want = {
+        "jit": model(dense, xs[0]),
+        "vmap": jax.vmap(model, (None, 0))(dense, xs),
+        "scan": scanned(dense, xs),
+        "grad_x": jax.grad(loss, argnums=1)(dense, xs[0]),
+    }
+    for k in want:
+        g, w = np.asarray(got[k], np.float32), np.asarray(want[k], np.float32)
+        rel = 3e-2 if dtype == jnp.bfloat16 else 1e-5
+        np.testing.assert_allclose(
+            g, w, rtol=rel, atol=rel * np.abs(w).max(), err_msg=k
+        )
+
+
+def test_no_dense_weight_enters_the_program():
+    params = qax.quant.quantize(mlp_params(), "nf4", block_size=32)
+    x = normal((4, 32))
+    with strict():
+        jaxpr = jax.make_jaxpr(jax.jit(qax.use_implicit_args(mlp)))(params, x)
+    inputs = [v.aval for v in jaxpr.jaxpr.invars]
+    floats = [a.shape for a in inputs if jnp.issubdtype(a.dtype, jnp.floating)]
+    assert (32, 64) not in floats and (64, 32) not in floats
+    assert sum(a.dtype == jnp.uint8 for a in inputs) == 2
+
+
+def test_a_stopped_quantized_weight_has_no_weight_sized_gradient():
+    params = qax.quant.quantize(mlp_params(), "int8")
+    x = normal((4, 32))
+
+    def loss(scales, stop):
+        p = {k: Int8Weight(params[k].q, scales[k]) for k in params}
+
+        def inner(p):
+            if stop:
+                p = jax.tree_util.tree_map(lax.stop_gradient, p)
+            return jnp.sum(mlp(p, x) ** 2)
+
+        return qax.use_implicit_args(inner)(p)
+
+    scales = {k: v.scale for k, v in params.items()}
+    with strict():
+        free = jax.grad(lambda s: loss(s, False))(scales)
+        stopped = jax.grad(lambda s: loss(s, True))(scales)
+        jaxpr = jax.make_jaxpr(jax.grad(lambda s: loss(s, True)))(scales)
+    # Without stop_gradient the scales get the decoded weight's gradient (the oracle).
+    want = jax.grad(
+        lambda s: jnp.sum(
+            mlp({"w1": params["w1"].q * s, "w2": params["w2"].dequantize()}, x) ** 2
+        )
+    )(params["w1"].scale)
+    np.testing.assert_allclose(free["w1"], want, rtol=1e-4)
+    assert not np.any(np.asarray(stopped["w1"]))
+    shapes = [
+        tuple(e.outvars[0].aval.shape)
+        for e in all_eqns(jaxpr.jaxpr)
+        if e.primitive.name == "dot_general"
+    ]
+    assert (32, 64) not in shapes and (64, 32) not in shapes, shapes
+
+
+# ----------------------------------------------------------------------------------------
+# Trees
+
+
+def test_quantize_tree_defaults_filter_and_errors():
+    params = {
+        "embed": {"embedding": normal((10, 64))},
+        "dense": {"kernel": normal((64, 64)), "bias": jnp.zeros(64)},
+        "head": {"kernel": normal((64, 10))},  # 10 is no multiple of 64: left alone
+    }
+    q = qax.quant.quantize(params, "nf4")
+    assert isinstance(q["dense"]["kernel"], NF4Weight)
+    assert not isinstance(q["embed"]["embedding"], QuantizedWeight)
+    assert not isinstance(q["head"]["kernel"], QuantizedWeight)
+    assert q["dense"]["bias"] is params["dense"]["bias"]
+    q8 = qax.quant.quantize(params, Int8Weight)
+    assert isinstance(q8["head"]["kernel"], Int8Weight)
+    everything = qax.quant.quantize(params, "int8", filter=lambda path, x: x.ndim == 2)
+    assert isinstance(everything["embed"]["embedding"], Int8Weight)
+    back = qax.quant.dequantize(q8)
+    np.testing.assert_allclose(
+        back["dense"]["kernel"], params["dense"]["kernel"], atol=0.05
+    )
+    with pytest.raises(ValueError, match="unknown format 'fp3'"):
+        qax.quant.quantize(params, "fp3")
+    with pytest.raises(ValueError, match="multiple of block_size=64"):
+        qax.quant.quantize(params, "nf4", filter=lambda path, x: x.ndim == 2)
+
+
+# ----------------------------------------------------------------------------------------
+# QLoRA
+
+
+def qlora_params(seed=0):
+    base = qax.quant.quantize(mlp_params(seed), "nf4", block_size=32)
+    params = qax.lora.loraify(base, 4, key=jax.random.PRNGKey(seed + 7), alpha=8.0)
+    return jax.tree_util.tree_map(
+        lambda w: LoraWeight(w.w, w.a, w.b + 0.05, alpha=w.alpha),
+        params,
+        is_leaf=lambda x: isinstance(x, LoraWeight),
+    )
+
+
+def test_qlora_matmul_against_the_oracle():
+    params = qlora_params()
+    w = params["w1"]
+    assert isinstance(w.w, NF4Weight)
+    x = normal((3, 32), seed=2)
+    report = check(lambda x, w: x @ w, "dot_general", x, w)
+    assert dict(report.checks)["grad"] == "passed"
+    # The base product went to the NF4 handler: nothing was materialized.
+    with strict():
+        got = jax.jit(qax.use_implicit_args(lambda x, w: x @ w))(x, w)
+    want = x @ (w.w.dequantize() + w.scale * (w.a @ w.b))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_qlora_trains_with_optax_and_keeps_the_base_4_bit():
+    params = qlora_params()
+    adapters, base = qax.lora.split(params)
+    x, y = normal((16, 32), seed=3), normal((16, 32), seed=4)
+    opt = optax.adam(1e-2)
+    opt_state = opt.init(adapters)
+
+    @jax.jit
+    def step(adapters, opt_state, base):
+        def loss(adapters):
+            p = qax.lora.combine(adapters, base)
+            return qax.use_implicit_args(lambda p: jnp.mean((mlp(p, x) - y) ** 2))(p)
+
+        value, grads = jax.value_and_grad(loss)(adapters)
+        updates, opt_state = opt.update(grads, opt_state, adapters)
+        return optax.apply_updates(adapters, updates), opt_state, value
+
+    with strict():
+        losses = []
+        for _ in range(30):
+            adapters, opt_state, value = step(adapters, opt_state, base)
+            losses.append(float(value))
+        jaxpr = jax.make_jaxpr(step)(adapters, opt_state, base)
+    assert losses[-1] < 0.8 * losses[0], losses
+    inputs = [v.aval for v in jaxpr.jaxpr.invars]
+    assert not any(
+        a.shape in ((32, 64), (64, 32)) and jnp.issubdtype(a.dtype, jnp.floating)
+        for a in inputs
+    )
+    # Adam moments for the factors only.
+    moments = sum(
+        x.size for x in jax.tree_util.tree_leaves(opt_state) if jnp.ndim(x) > 0
+    )
+    assert moments == 2 * qax.lora.trainable_count(adapters)
+    merged = qax.lora.merge(qax.lora.combine(adapters, base))
+    assert all(isinstance(v, jax.Array) for v in merged.values())
+    np.testing.assert_allclose(
+        jnp.mean((mlp(merged, x) - y) ** 2), losses[-1], rtol=0.1
+    )
