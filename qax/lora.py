@@ -668,7 +668,7 @@ def loraify(
     a_ndim: int | Callable[[str, Any], int] | None = None,
     freeze_w: bool = True,
     dtype: Any = None,
-    batch_ndim: int = 0,
+    batch_ndim: int | Callable[[str, Any], int] = 0,
 ) -> Any:
     """Turn chosen weights of any params pytree into `LoraWeight`s.
 
@@ -696,10 +696,11 @@ def loraify(
         weights.
       freeze_w: passed to every `LoraWeight`.
       dtype: the dtype of the new factors (default: the weight's).
-      batch_ndim: leading axes of every chosen weight that stack independent weights
-        (layers stacked for `lax.scan`): each layer gets its own factors, ``a`` of
-        shape ``(L, *A, rank)`` and ``b`` ``(L, rank, *B)``, and `lax.scan` over the
-        stack slices the `LoraWeight` without forming it.
+      batch_ndim: leading axes of a chosen weight that stack independent weights
+        (layers stacked for `lax.scan`), an int or a function of ``(path, leaf)``: each
+        layer gets its own factors, ``a`` of shape ``(L, *A, rank)`` and ``b``
+        ``(L, rank, *B)``, and `lax.scan` over the stack slices the `LoraWeight`
+        without forming it.
 
     Returns:
       ``params`` with the chosen weights replaced by `LoraWeight`s.
@@ -715,9 +716,10 @@ def loraify(
         name = path_string(path)
         if _is_lora(leaf) or not choose(name, leaf):
             return leaf
-        if len(leaf.shape) - batch_ndim < 2:
+        nb = batch_ndim(name, leaf) if callable(batch_ndim) else batch_ndim
+        if len(leaf.shape) - nb < 2:
             return leaf
-        lead, shape = tuple(leaf.shape[:batch_ndim]), tuple(leaf.shape[batch_ndim:])
+        lead, shape = tuple(leaf.shape[:nb]), tuple(leaf.shape[nb:])
         p = a_ndim(name, leaf) if callable(a_ndim) else a_ndim
         p = len(shape) - 1 if p is None else int(p)
         if not 1 <= p <= len(shape) - 1:

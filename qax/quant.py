@@ -435,9 +435,10 @@ def _stop_gradient(primitive, w: QuantizedWeight) -> Any:
     return w._rescaled(**{name: lax.stop_gradient(getattr(w, name))})
 
 
-@qax.primitive_handler("transpose")
-def _transpose(primitive, w: QuantizedWeight, *, permutation) -> jax.Array:
-    return lax.transpose(_decoded(w), permutation)
+@qax.primitive_handler(["transpose", "broadcast_in_dim", "reshape"])
+def _decode_then(primitive, w: QuantizedWeight, **params) -> jax.Array:
+    """Ops that move elements: decode, then run them (inside the handler)."""
+    return primitive.bind(_decoded(w), **params)
 
 
 @qax.primitive_handler("transpose")
@@ -483,7 +484,8 @@ def quantize(
         Default: `qax.lora.default_filter` (every 2-D+ weight but embeddings, norms and
         biases), skipping weights whose last axis is not a multiple of the block size.
       **options: passed to ``from_array``: ``axis`` (int8), ``group_size`` (int4),
-        ``block_size`` (nf4).
+        ``block_size`` (nf4), ``batch_ndim`` (stacked layers; an int or a function of
+        ``(path, leaf)``).
 
     Returns:
       ``params`` with quantized weights.
@@ -507,9 +509,13 @@ def quantize(
     def convert(path, leaf):
         if isinstance(leaf, qax.ImplicitArray) or not hasattr(leaf, "shape"):
             return leaf
-        if not choose(qax.lora.path_string(path), leaf):
+        name = qax.lora.path_string(path)
+        if not choose(name, leaf):
             return leaf
-        return cls.from_array(leaf, **options)
+        kwargs = dict(options)
+        if callable(kwargs.get("batch_ndim")):
+            kwargs["batch_ndim"] = kwargs["batch_ndim"](name, leaf)
+        return cls.from_array(leaf, **kwargs)
 
     return qax.utils.tree_map_with_path_with_implicit(convert, params)
 

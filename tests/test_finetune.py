@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import qax
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "notebooks" / "lora_finetune.py"
 TINY = [
@@ -49,7 +51,7 @@ def test_loss_falls_and_frozen_weights_are_bitwise_unchanged(walkthrough):
         after = final
         for key in path:
             after = after[key.key]
-        if isinstance(after, lora_finetune.LoraMatrix):
+        if isinstance(after, qax.lora.LoraWeight):
             kernels += 1
             assert np.any(np.asarray(after.b) != 0), (
                 f"LoRA factor b never trained at {path}"
@@ -93,6 +95,26 @@ def test_command_line_prints_progress_and_summary():
     for line in ("trainable params", "optimizer state", "step time", "frozen weights"):
         assert line in run.stdout
     assert "bitwise unchanged" in run.stdout
+
+
+def test_qlora_on_a_4_bit_base(walkthrough):
+    lora_finetune, _ = walkthrough
+    result = lora_finetune.main(
+        [*TINY, "--steps", "30", "--seed", "1", "--quiet", "--quantize", "nf4"]
+    )
+    losses = np.asarray(result.losses)
+    assert np.all(np.isfinite(losses))
+    assert losses[-5:].mean() < losses[:5].mean() - 0.2, losses
+    kernels = [
+        x.w
+        for x in jax.tree_util.tree_leaves(result.params, is_leaf=lora_finetune.is_lora)
+        if lora_finetune.is_lora(x)
+    ]
+    assert len(kernels) == 4
+    assert all(isinstance(k, qax.quant.NF4Weight) for k in kernels)
+    assert result.base_bytes < 0.5 * result.dense_bytes
+    assert result.frozen_unchanged
+    assert result.merge_error < 1e-4
 
 
 @pytest.mark.parametrize(
