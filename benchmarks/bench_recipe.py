@@ -35,11 +35,11 @@ from bench_lora import (  # noqa: E402
     Config,
     LoraMatrix,
     add_lora,
+    dense_linear,
     hand_lora_linear,
     init_params,
     lora_factors,
     make_loss,
-    dense_linear,
     with_factors,
 )
 
