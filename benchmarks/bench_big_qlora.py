@@ -11,8 +11,8 @@ a gelu MLP, a final LayerNorm and an output head), at 36 layers of width 2560
   that layer's f32 weights from a fixed seed, quantizes them and writes the codes into
   the (donated) stack, so at most one layer is ever in full precision. The embedding
   table and the head are NF4 too (the embedding lookup decodes only the looked-up rows).
-- **QLoRA.** `qax.lora.loraify` puts rank-8 factors on every matmul weight (stacked:
-  ``a (L, m, 8)``, ``b (L, 8, n)``); `qax.lora.split` separates them; optax adam trains
+- **QLoRA.** `qax.lora.loraify` puts rank-8 factors on every matmul weight (the six of
+  each layer, stacked: ``a (L, m, 8)``, ``b (L, 8, n)``, and the head); `qax.lora.split` separates them; optax adam trains
   the factors only. The loss is ``bench_lora``'s dense model code under
   `qax.use_implicit_args`, its layers run by `lax.scan` with `jax.checkpoint` on the
   layer, so tracing and compiling do not grow with depth.
@@ -25,7 +25,7 @@ Run from the repository root:
 
     PYTHONPATH=. python benchmarks/bench_big_qlora.py              # 3.0B, 36 layers
     PYTHONPATH=. python benchmarks/bench_big_qlora.py --layers     # + depth 1/4, 1/2, 1
-    PYTHONPATH=. python benchmarks/bench_big_qlora.py --size tiny  # smoke run (seconds)
+    PYTHONPATH=. python benchmarks/bench_big_qlora.py --size tiny  # smoke run (under a minute)
 
 ``--steps`` sets the number of train steps (default 5), ``--layers 9,18`` chooses the
 depths of the scaling table.
