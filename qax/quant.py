@@ -337,7 +337,9 @@ class NF4Weight(QuantizedWeight):
         safe = jnp.where(absmax > 0, absmax, 1).astype(w.dtype)
         normalized = (blocks / safe[..., None]).astype(jnp.float32)
         midpoints = (NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2
-        codes = jnp.searchsorted(jnp.asarray(midpoints), normalized).reshape(w.shape)
+        codes = jnp.searchsorted(
+            jnp.asarray(midpoints), normalized, method="compare_all"
+        ).reshape(w.shape)
         ranked = cls._ranked(w.ndim - batch_ndim)
         return ranked(_pack(codes), safe, block_size=block_size)
 
