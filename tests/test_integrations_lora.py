@@ -233,12 +233,19 @@ def _all_types_state():
     return {"params": params, "opt": tx.init(params)}, kinds
 
 
-def _same(a, b):
+def _same(a, b, exact_types=True):
     ia, ib = (
         qax.utils.tree_leaves_with_implicit(a),
         qax.utils.tree_leaves_with_implicit(b),
     )
-    assert [type(x) for x in ia] == [type(x) for x in ib]
+    if exact_types:
+        assert [type(x) for x in ia] == [type(x) for x in ib]
+    else:
+        assert all(
+            isinstance(y, type(x).__mro__[1]) or type(x) is type(y)
+            for x, y in zip(ib, ia, strict=True)
+        )
+        assert [type(x).__name__ for x in ia] == [type(x).__name__ for x in ib]
     for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
@@ -264,7 +271,9 @@ def test_orbax_every_builtin_type(tmp_path):
     rebuilt = qax.checkpoint.rebuild(
         raw, ckpt.metadata(tmp_path / "c").custom_metadata["qax"]
     )
-    _same(rebuilt["params"], state["params"])
+    # Without a template the built-in types come back as their public class (their
+    # per-rank subclasses share its name): same values, same handlers.
+    _same(rebuilt["params"], state["params"], exact_types=False)
 
 
 def test_orbax_adapters_only_is_small(tmp_path, capsys):
