@@ -17,16 +17,15 @@ import os
 import warnings
 from dataclasses import dataclass
 
+import hypothesis  # in the `test` extra
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from jax import lax
 
 import qax
 from qax.symbols import SymbolicConstant
 
-hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies
 
 EXAMPLES = int(os.environ.get("QAX_PROPERTY_EXAMPLES", "20"))
