@@ -50,6 +50,11 @@ class ImplicitBase(metaclass=_ImplicitMeta):
         return NotImplemented
 
 
+# Instance attribute holding an implicit array's number of batch dimensions (see
+# `qax._batching`); `None` when its leaves no longer fit its type's declaration.
+NB = "_qax_nb"
+
+
 def is_implicit(x: Any) -> bool:
     return isinstance(x, ImplicitBase)
 

@@ -26,13 +26,12 @@ from typing import Any
 
 import jax
 
-from ._base import ImplicitBase, quiet_materialization
-from ._compat import register_vmappable, set_current_trace
+from ._base import NB, ImplicitBase, quiet_materialization
+from ._compat import register_vmappable
 from ._interpreter import MaterializationEvent, _source_line, report
 
 AUX = "qax_aux"
 NDIM = "qax_ndim"
-NB = "_qax_nb"
 FOLLOWS = "qax_follows"
 
 _UNDECLARED = (
@@ -345,7 +344,7 @@ def undeclared_reason(primitive: str, action: str, x: ImplicitBase, axis: int) -
     )
 
 
-def densify(x: ImplicitBase, primitive: str, reason: str) -> Any:
+def densify(x: ImplicitBase, primitive: str, reason: str | None) -> Any:
     """Report and fully materialize `x` (at the current trace)."""
     from ._interpreter import materialize_nested
 
@@ -471,8 +470,3 @@ def stackable(x: Any) -> bool:
 
 def _is_implicit(x: Any) -> bool:
     return isinstance(x, ImplicitBase)
-
-
-def at_parent(trace: Any, fn: Callable, *args: Any) -> Any:
-    with set_current_trace(trace.parent_trace):
-        return fn(*args)

@@ -35,6 +35,7 @@ import numpy as np
 from . import _dispatch
 from ._base import ImplicitBase, quiet_materialization
 from ._batching import (
+    densify,
     fields_of,
     rebuild,
     slice_template,
@@ -75,14 +76,11 @@ from ._compat import (
 )
 from ._interpreter import (
     ImplicitTrace,
-    MaterializationEvent,
     _recording,
-    _source_line,
     compile_jaxpr,
     holding_reports,
     materialize_nested,
     replay,
-    report,
     structural_rules,
     sub_trace,
 )
@@ -251,15 +249,8 @@ def _store(anchor: Any, key: tuple, value: Any, bodies: Sequence[TracedBody]) ->
 # Materializing, with a reason
 
 
-def _densify(value: ImplicitBase, primitive: str, reason: str | None) -> Any:
-    """Report and fully materialize `value` (its own trace must be current)."""
-    if not quiet_materialization.get():
-        shape, dtype = tuple(value.shape), value.dtype
-        source = _source_line()
-        report(
-            MaterializationEvent(primitive, type(value), shape, dtype, source, reason)
-        )
-    return materialize_nested(value, full=True)
+# Report and fully materialize a value (its own trace must be current).
+_densify = densify
 
 
 def _densify_parent(trace: ImplicitTrace, value: Any, primitive: str, reason=None):

@@ -29,6 +29,7 @@ import plum
 
 from . import _dispatch, _errors, _mutable
 from ._base import (
+    NB,
     ImplicitBase,
     check_declared_avals,
     is_implicit,
@@ -888,7 +889,7 @@ _SLICED_THROUGH = (
 
 def _check_entry(x: ImplicitBase) -> None:
     """Refuse an implicit argument whose leaves no longer fit its type's declaration."""
-    if x.__dict__.get("_qax_nb", 0) is None:
+    if x.__dict__.get(NB, 0) is None:
         fields = dataclasses.fields(x)
         described = ", ".join(
             f"{f.name}: {getattr(getattr(x, f.name), 'shape', '?')}"
