@@ -257,11 +257,6 @@ def decode_aux(text: str) -> Any:
 
 def register(cls: type) -> None:
     """Register a new `ImplicitArray` subclass with `jax.export` and Flax."""
-    name = export_name(cls)
-    known = classes.get(name)
-    # A subclass made under its base's own name (the built-in types' per-rank classes)
-    # keeps the base as the class that template-less restores rebuild.
-    if known is None or not issubclass(cls, known):
-        classes[name] = cls
+    classes[export_name(cls)] = cls
     _register_export(cls)
     when_imported("flax.serialization", lambda module: _register_flax(module, cls))

@@ -117,27 +117,29 @@ class LoraWeight(qax.ImplicitArray):
         (``None``: ``alpha = rank``, a scale of 1).
       freeze_w: stop gradients into ``w`` (default ``True``).
 
+    Leading axes shared by ``w``, ``a`` and ``b`` beyond what the layout needs stack
+    independent weights (layers stacked for `lax.scan`): ``w (L, *A, *B)``, ``a (L,
+    *A, rank)``, ``b (L, rank, *B)`` is a stack of ``L`` weights, which `lax.scan` and
+    `vmap` slice without forming them. The attributes ``w_ndim``, ``a_ndim`` and
+    ``b_ndim`` (set from the shapes, not arguments) hold the ranks of one unbatched
+    ``w``, ``a`` and ``b``; they are the fields' declared ranks
+    (``qax.array_field(ndim="w_ndim")``).
+
     Raises:
       ValueError: the shapes of ``w``, ``a`` and ``b`` do not fit together.
     """
 
-    w: qax.ArrayValue
-    a: qax.ArrayValue
-    b: qax.ArrayValue
+    w: qax.ArrayValue = qax.array_field(ndim="w_ndim")
+    a: qax.ArrayValue = qax.array_field(ndim="a_ndim")
+    b: qax.ArrayValue = qax.array_field(ndim="b_ndim")
     alpha: float | None = qax.aux_field(default=None)
     freeze_w: bool = qax.aux_field(default=True)
-
-    def __new__(cls, w: Any = None, a: Any = None, b: Any = None, *args, **kwargs):
-        # Batch axes are declared per field (`qax.array_field(ndim=...)`), and the
-        # ranks of w, a and b depend on the weight: each combination gets its own
-        # subclass, chosen here from the leaves. Leading axes shared by all three
-        # fields beyond those ranks are batch axes (a stack of LoRA weights).
-        if "_qax_lora_ranks" not in cls.__dict__ and None not in (w, a, b):
-            ndims = (len(jnp.shape(w)), len(jnp.shape(a)), len(jnp.shape(b)))
-            nb = _batch_ndim(*ndims)
-            if nb >= 0:
-                cls = _ranked(tuple(n - nb for n in ndims))
-        return object.__new__(cls)
+    # The ranks of one (unbatched) w, a and b, set from the shapes of the fields:
+    # leading axes shared by all three beyond them are batch axes (a stack of LoRA
+    # weights, sliced by `lax.scan` and `vmap`).
+    w_ndim: int | None = qax.aux_field(default=None, init=False)
+    a_ndim: int | None = qax.aux_field(default=None, init=False)
+    b_ndim: int | None = qax.aux_field(default=None, init=False)
 
     def __post_init__(self) -> None:
         w, a, b = _shape(self.w), _shape(self.a), _shape(self.b)
@@ -154,6 +156,7 @@ class LoraWeight(qax.ImplicitArray):
             raise ValueError(_BAD_FACTORS.format(w=w, a=a, b=b))
         if self.alpha is not None:
             object.__setattr__(self, "alpha", float(self.alpha))
+        self.w_ndim, self.a_ndim, self.b_ndim = len(w) - nb, len(a) - nb, len(b) - nb
         super().__post_init__()
 
     def compute_shape(self) -> tuple[int, ...]:
@@ -204,25 +207,6 @@ class LoraWeight(qax.ImplicitArray):
             "a": (*range(n_a), None),
             "b": (None, *range(n_a, n_w)),
         }
-
-
-_RANKED: dict[tuple[int, int, int], type] = {}
-
-
-def _ranked(ranks: tuple[int, int, int]) -> type:
-    """The `LoraWeight` subclass whose fields declare the ranks ``(w, a, b)``."""
-    cls = _RANKED.get(ranks)
-    if cls is None:
-        namespace = {
-            "__module__": __name__,
-            "__qualname__": LoraWeight.__qualname__,
-            "__annotations__": {n: "qax.ArrayValue" for n in ("w", "a", "b")},
-            "_qax_lora_ranks": ranks,
-        }
-        for name, ndim in zip(("w", "a", "b"), ranks, strict=True):
-            namespace[name] = qax.array_field(ndim=ndim)
-        cls = _RANKED[ranks] = type(LoraWeight.__name__, (LoraWeight,), namespace)
-    return cls
 
 
 @jax.tree_util.register_dataclass

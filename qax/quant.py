@@ -40,6 +40,7 @@ This module uses qax's public API only.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from statistics import NormalDist
 from typing import Any, ClassVar
 
@@ -108,40 +109,19 @@ class QuantizedWeight(qax.ImplicitArray):
 
     Subclasses define `_decode(**fields)` (the dense weight from the array fields, in
     ``dtype``) and `from_array()`; ``dtype`` is the dtype of the scales. Every array
-    field has the weight's rank (declared with `qax.array_field`, one subclass per
-    rank), so a stack of quantized weights (scanned layers: ``from_array(w,
-    batch_ndim=1)``) is sliced by `lax.scan` and `vmap` without being decoded.
+    field has the weight's rank, held per instance by the keyword-only aux field
+    ``weight_ndim`` (declared with ``qax.array_field(ndim="weight_ndim")``; ``None``
+    when constructing: the rank of the fields, an unbatched weight). Leading axes
+    beyond it stack independent weights (scanned layers: ``from_array(w,
+    batch_ndim=1)``, or ``weight_ndim=`` given to the constructor), which `lax.scan` and
+    `vmap` slice without decoding them.
     """
 
     _ARRAYS: ClassVar[tuple[str, ...]] = ()
 
-    def __new__(cls, *args: Any, **kwargs: Any):
-        if "_qax_rank" not in cls.__dict__:
-            first = args[0] if args else kwargs.get(cls._ARRAYS[0])
-            if first is not None:
-                cls = cls._ranked(len(jnp.shape(first)))
-        return object.__new__(cls)
-
-    @classmethod
-    def _ranked(cls, rank: int) -> type:
-        """The subclass of `cls` whose array fields declare `rank` dimensions."""
-        base = next(k for k in cls.__mro__ if "_qax_rank" not in k.__dict__)
-        cache = base.__dict__.get("_qax_ranked")
-        if cache is None:
-            cache = {}
-            type.__setattr__(base, "_qax_ranked", cache)
-        ranked = cache.get(rank)
-        if ranked is None:
-            namespace = {
-                "__module__": base.__module__,
-                "__qualname__": base.__qualname__,
-                "__annotations__": {n: "qax.ArrayValue" for n in base._ARRAYS},
-                "_qax_rank": rank,
-            }
-            for name in base._ARRAYS:
-                namespace[name] = qax.array_field(ndim=rank)
-            ranked = cache[rank] = type(base.__name__, (base,), namespace)
-        return ranked
+    # The rank of one (unbatched) weight, the declared rank of every array field; set
+    # from the fields when not given (an unbatched weight).
+    weight_ndim: int | None = qax.aux_field(default=None, kw_only=True)
 
     def dequantize(self) -> jax.Array:
         """The dense weight the codes stand for (differentiable in the scales)."""
@@ -160,7 +140,7 @@ class QuantizedWeight(qax.ImplicitArray):
         """Which dimension of the weight each field dimension runs along (for
         `qax.sharding`): codes and scales keep the weight's rank and run along its
         dimensions (packed codes and group scales along the last one, in order)."""
-        rank = type(self)._qax_rank
+        rank = len(self.shape) if self.weight_ndim is None else self.weight_ndim
         return {name: tuple(range(rank)) for name in self._ARRAYS}
 
     def _rescaled(self, **changes: Any) -> QuantizedWeight:
@@ -186,8 +166,8 @@ class Int8Weight(QuantizedWeight):
       scale: the per-channel scales (the dtype the weight decodes to).
     """
 
-    q: qax.ArrayValue
-    scale: qax.ArrayValue
+    q: qax.ArrayValue = qax.array_field(ndim="weight_ndim")
+    scale: qax.ArrayValue = qax.array_field(ndim="weight_ndim")
 
     _ARRAYS = ("q", "scale")
 
@@ -218,7 +198,7 @@ class Int8Weight(QuantizedWeight):
         absmax = jnp.max(jnp.abs(w), axis=others, keepdims=True)
         scale = jnp.where(absmax > 0, absmax / 127, 1).astype(w.dtype)
         q = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
-        return cls._ranked(w.ndim - batch_ndim)(q, scale)
+        return cls(q, scale, weight_ndim=w.ndim - batch_ndim)
 
     def _decode(self, q: Any, scale: Any) -> jax.Array:
         return q.astype(self.dtype) * scale
@@ -226,7 +206,7 @@ class Int8Weight(QuantizedWeight):
     def field_dims(self) -> dict[str, tuple[int | None, ...]]:
         """The codes run along every dimension of the weight; the scales only along
         the channel axis (their other dimensions have size 1)."""
-        rank = type(self)._qax_rank
+        rank = self.weight_ndim
         nb = len(self.shape) - rank
         channel = tuple(d != 1 for d in jnp.shape(self.scale)[nb:])
         return {
@@ -250,8 +230,8 @@ class Int4Weight(QuantizedWeight):
       group_size: numbers per scale.
     """
 
-    packed: qax.ArrayValue
-    scale: qax.ArrayValue
+    packed: qax.ArrayValue = qax.array_field(ndim="weight_ndim")
+    scale: qax.ArrayValue = qax.array_field(ndim="weight_ndim")
     group_size: int = qax.aux_field(default=64)
 
     _ARRAYS = ("packed", "scale")
@@ -273,15 +253,7 @@ class Int4Weight(QuantizedWeight):
         Raises:
           ValueError: the last axis is not a multiple of ``group_size``, or odd.
         """
-        w = jnp.asarray(w)
-        _check_last_axis(cls, w.shape, "group_size", group_size)
-        groups = _blocks(w, group_size)
-        absmax = jnp.max(jnp.abs(groups), axis=-1)
-        scale = jnp.where(absmax > 0, absmax / 7, 1).astype(w.dtype)
-        q = jnp.clip(jnp.round(groups / scale[..., None]), -8, 7).astype(jnp.int32)
-        codes = (q + 8).reshape(w.shape)
-        ranked = cls._ranked(w.ndim - batch_ndim)
-        return ranked(_pack(codes), scale, group_size=group_size)
+        return _quantize_blocks(cls, w, "group_size", group_size, batch_ndim, _int4)
 
     def _decode(self, packed: Any, scale: Any) -> jax.Array:
         values = _unpack(packed).astype(jnp.int32) - 8
@@ -304,8 +276,8 @@ class NF4Weight(QuantizedWeight):
       block_size: numbers per block (64, as in QLoRA).
     """
 
-    packed: qax.ArrayValue
-    absmax: qax.ArrayValue
+    packed: qax.ArrayValue = qax.array_field(ndim="weight_ndim")
+    absmax: qax.ArrayValue = qax.array_field(ndim="weight_ndim")
     block_size: int = qax.aux_field(default=64)
 
     _ARRAYS = ("packed", "absmax")
@@ -330,18 +302,7 @@ class NF4Weight(QuantizedWeight):
         Raises:
           ValueError: the last axis is not a multiple of ``block_size``, or odd.
         """
-        w = jnp.asarray(w)
-        _check_last_axis(cls, w.shape, "block_size", block_size)
-        blocks = _blocks(w, block_size)
-        absmax = jnp.max(jnp.abs(blocks), axis=-1)
-        safe = jnp.where(absmax > 0, absmax, 1).astype(w.dtype)
-        normalized = (blocks / safe[..., None]).astype(jnp.float32)
-        midpoints = (NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2
-        codes = jnp.searchsorted(
-            jnp.asarray(midpoints), normalized, method="compare_all"
-        ).reshape(w.shape)
-        ranked = cls._ranked(w.ndim - batch_ndim)
-        return ranked(_pack(codes), safe, block_size=block_size)
+        return _quantize_blocks(cls, w, "block_size", block_size, batch_ndim, _nf4)
 
     def _decode(self, packed: Any, absmax: Any) -> jax.Array:
         levels = jnp.asarray(NF4_LEVELS, self.dtype)[_unpack(packed)]
@@ -357,6 +318,40 @@ def _check_last_axis(cls: type, shape: tuple, what: str, size: int) -> None:
                 cls=cls.__name__, shape=tuple(shape), what=what, size=size, last=last
             )
         )
+
+
+def _quantize_blocks(
+    cls: type,
+    w: jax.Array,
+    what: str,
+    size: int,
+    batch_ndim: int,
+    encode: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]],
+) -> QuantizedWeight:
+    """The 4-bit formats' `from_array`: blocks of `size` along the last axis, each
+    coded by ``encode(blocks, absmax) -> (codes 0..15, scales)``, codes packed."""
+    w = jnp.asarray(w)
+    _check_last_axis(cls, w.shape, what, size)
+    blocks = _blocks(w, size)
+    codes, scale = encode(blocks, jnp.max(jnp.abs(blocks), axis=-1))
+    packed = _pack(codes.reshape(w.shape))
+    return cls(packed, scale, size, weight_ndim=w.ndim - batch_ndim)
+
+
+def _int4(blocks: jax.Array, absmax: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Symmetric 4-bit codes (value + 8) and the group scales ``absmax / 7``."""
+    scale = jnp.where(absmax > 0, absmax / 7, 1).astype(blocks.dtype)
+    q = jnp.clip(jnp.round(blocks / scale[..., None]), -8, 7).astype(jnp.int32)
+    return q + 8, scale
+
+
+def _nf4(blocks: jax.Array, absmax: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The nearest NF4 level of each number over its block's absmax, and the absmax."""
+    safe = jnp.where(absmax > 0, absmax, 1).astype(blocks.dtype)
+    normalized = (blocks / safe[..., None]).astype(jnp.float32)
+    midpoints = (NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2
+    codes = jnp.searchsorted(jnp.asarray(midpoints), normalized, method="compare_all")
+    return codes, safe
 
 
 # ----------------------------------------------------------------------------------------
