@@ -24,6 +24,7 @@ import jax
 
 from . import _integrations
 from ._base import is_implicit
+from ._batching import fields_of
 from ._implicit_array import _pytree_functions
 
 __all__ = ["describe", "rebuild"]
@@ -38,6 +39,12 @@ _NO_DESCRIPTION = (
 _UNKNOWN_CLASS = (
     "The checkpoint holds a {name}, a class not defined in this process. Import the "
     "module that defines it before `qax.checkpoint.rebuild`."
+)
+_OTHER_AUX = (
+    "The checkpoint description of the {cls} at {path} holds {got} metadata value(s), "
+    "but {cls} now has {want} aux field(s) ({names}): it was saved by a version of the "
+    "class with other fields. Restore that checkpoint with a template instead: "
+    "`checkpointer.restore(path, jax.tree.map(ocp.utils.to_shape_dtype_struct, state))`."
 )
 _MISSING = (
     "The restored tree has no {what} at {path} where the checkpoint description "
@@ -131,8 +138,19 @@ def _build(raw: Any, desc: dict, where: list) -> Any:
                 _MISSING.format(what=f"field {name!r}", path=where, cls=cls.__name__)
             ) from None
         children.append(value if sub is None else _build(value, sub, [*where, name]))
-    unflatten = _pytree_functions(cls)[2]
-    return unflatten(_integrations.decode_aux(desc["aux"]), children)
+    aux = _integrations.decode_aux(desc["aux"])
+    names = fields_of(cls).aux
+    if len(aux[0]) != len(names):
+        raise ValueError(
+            _OTHER_AUX.format(
+                cls=cls.__name__,
+                path=where,
+                got=len(aux[0]),
+                want=len(names),
+                names=", ".join(names),
+            )
+        )
+    return _pytree_functions(cls)[2](aux, children)
 
 
 def rebuild(raw: Any, description: dict) -> Any:
@@ -146,7 +164,8 @@ def rebuild(raw: Any, description: dict) -> Any:
       `raw` with each described implicit array rebuilt from its fields.
 
     Raises:
-      ValueError: `description` is not one from `describe`, or `raw` lacks a field.
+      ValueError: `description` is not one from `describe`, `raw` lacks a field, or
+        a saved class had other aux fields than it has now.
       TypeError: the class of a saved implicit array is not defined in this process.
     """
     if not isinstance(description, dict) or "implicit" not in description:

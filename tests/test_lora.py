@@ -17,9 +17,6 @@ import qax
 from qax.lora import LoraAdapter, LoraWeight
 from qax.testing import check_handler
 
-DTYPES = [jnp.float32, jnp.bfloat16]
-DTYPE_IDS = ["f32", "bf16"]
-
 
 def make_lora(shape, a_ndim=None, rank=3, dtype=jnp.float32, seed=0, freeze_w=False):
     """A LoraWeight with random (non-zero) factors, so the low-rank part matters."""
@@ -94,12 +91,10 @@ def assert_no_dense_weight(fn, *args, shape):
 # (name, weight shape, a_ndim, x shape, function of (x, w))
 DOT_CASES = [
     ("x@W", (6, 5), 1, (4, 6), lambda x, w: x @ w),
-    ("x3d@W", (6, 5), 1, (2, 4, 6), lambda x, w: x @ w),
     ("x@W.T", (5, 6), 1, (4, 6), lambda x, w: jnp.einsum("bi,oi->bo", x, w)),
     ("W@x", (5, 6), 1, (6, 4), lambda x, w: w @ x),
     ("W.T@x", (6, 5), 1, (6, 4), lambda x, w: jnp.einsum("io,ib->ob", w, x)),
     ("vec@W", (6, 5), 1, (6,), lambda x, w: x @ w),
-    ("W@vec", (5, 6), 1, (6,), lambda x, w: w @ x),
     (
         "q-proj",
         (8, 2, 4),
@@ -113,13 +108,6 @@ DOT_CASES = [
         2,
         (2, 3, 2, 4),
         lambda x, w: jnp.einsum("bthk,hkd->btd", x, w),
-    ),
-    (
-        "batch-on-a",
-        (3, 6, 5),
-        2,
-        (3, 4, 6),
-        lambda x, w: jnp.einsum("hbi,hio->hbo", x, w),
     ),
     (
         "batch-on-a-contract-b",
@@ -139,7 +127,8 @@ DOT_CASES = [
 
 
 def _with_dtypes(cases, bf16_names):
-    """Every case in f32; the named ones in bf16 too (each check runs five traces)."""
+    """Every case in f32; the named ones in bf16 too (each check runs five traces, so
+    bf16, which only changes the casts in the handler, gets one representative)."""
     out = [pytest.param(*c, jnp.float32, id=f"{c[0]}-f32") for c in cases]
     out += [
         pytest.param(*c, jnp.bfloat16, id=f"{c[0]}-bf16")
@@ -151,7 +140,7 @@ def _with_dtypes(cases, bf16_names):
 
 @pytest.mark.parametrize(
     "name, shape, a_ndim, x_shape, fn, dtype",
-    _with_dtypes(DOT_CASES, {"x@W", "x3d@W", "W@x", "q-proj", "batch-on-b"}),
+    _with_dtypes(DOT_CASES, {"q-proj"}),
 )
 def test_dot_general_layouts(name, shape, a_ndim, x_shape, fn, dtype):
     lora = make_lora(shape, a_ndim, dtype=dtype)
@@ -167,8 +156,7 @@ def test_dot_general_layouts(name, shape, a_ndim, x_shape, fn, dtype):
     assert_no_dense_weight(fn, x, lora, shape=shape)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_preferred_element_type_f32_over_bf16(dtype):
+def test_preferred_element_type_f32_over_bf16():
     lora = make_lora((6, 5), dtype=jnp.bfloat16)
     x = normal((4, 6), jnp.bfloat16)
 
@@ -218,18 +206,26 @@ def test_the_handler_contracts_x_with_the_matching_factor_first():
 # ----------------------------------------------------------------------------------------
 # Convolutions
 
+# The handler is the same code for every spatial rank: one representative per factor
+# layout (Flax: `a` holds the spatial and input axes; Equinox: `b` does), one in bf16.
 CONV_CASES = [
-    # (name, x shape, kernel shape, a_ndim, dimension_numbers)
-    ("1d-flax", (2, 9, 3), (3, 3, 4), 2, ("NWC", "WIO", "NWC")),
-    ("2d-flax", (2, 7, 6, 3), (3, 3, 3, 4), 3, ("NHWC", "HWIO", "NHWC")),
-    ("3d-flax", (1, 5, 5, 4, 2), (2, 2, 2, 2, 3), 4, ("NDHWC", "DHWIO", "NDHWC")),
-    ("2d-equinox", (2, 3, 7, 6), (4, 3, 3, 3), 1, ("NCHW", "OIHW", "NCHW")),
+    # (name, x shape, kernel shape, a_ndim, dimension_numbers, dtype)
+    ("1d-flax-f32", (1, 6, 3), (3, 3, 4), 2, ("NWC", "WIO", "NWC"), jnp.float32),
+    (
+        "2d-equinox-bf16",
+        (1, 3, 5, 4),
+        (4, 3, 3, 3),
+        1,
+        ("NCHW", "OIHW", "NCHW"),
+        jnp.bfloat16,
+    ),
 ]
 
 
 @pytest.mark.parametrize(
     "name, x_shape, k_shape, a_ndim, dn, dtype",
-    _with_dtypes(CONV_CASES, {"2d-flax", "2d-equinox"}),
+    CONV_CASES,
+    ids=[c[0] for c in CONV_CASES],
 )
 def test_convolutions(name, x_shape, k_shape, a_ndim, dn, dtype):
     lora = make_lora(k_shape, a_ndim, rank=2, dtype=dtype)
@@ -277,15 +273,14 @@ def test_grouped_convolution_falls_back_with_a_warning():
 # Embedding lookups and the structural ops
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize(
-    "fn",
+    "fn, dtype",
     [
-        lambda w, ids: w[ids],
-        lambda w, ids: jnp.take(w, ids, axis=0),
-        lambda w, ids: w[ids[0, 0]],
+        (lambda w, ids: w[ids], jnp.float32),
+        (lambda w, ids: jnp.take(w, ids, axis=0), jnp.bfloat16),
+        (lambda w, ids: w[ids[0, 0]], jnp.float32),
     ],
-    ids=["index", "take", "one-row"],
+    ids=["index-f32", "take-bf16", "one-row-f32"],
 )
 def test_embedding_lookup(fn, dtype):
     lora = make_lora((10, 6), dtype=dtype)
@@ -314,7 +309,6 @@ def test_column_gather_falls_back():
 
 
 STRUCTURAL = [
-    ("transpose", (6, 5), 1, lambda w: w.T),
     ("transpose-3d-keep", (2, 3, 4), 2, lambda w: jnp.transpose(w, (1, 0, 2))),
     ("transpose-3d-swap", (2, 3, 4), 1, lambda w: jnp.transpose(w, (2, 1, 0))),
     ("reshape-qkv", (4, 12), 1, lambda w: w.reshape(4, 3, 4)),
@@ -419,18 +413,14 @@ def dense(params):
     return qax.lora.merge(params)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_jit_grad_vmap_scan(dtype):
-    params = mlp_params(dtype=dtype)
-    xs = normal((5, 4, 6), dtype)
+def test_jit_grad_vmap_scan():
+    # f32 only: bf16 changes the casts in the handlers (covered there), not the rules.
+    params = mlp_params()
+    xs = normal((5, 4, 6))
 
     def close(got, want):
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-        if dtype == jnp.bfloat16:  # 8 mantissa bits: errors relative to the largest
-            tol = dict(rtol=3e-2, atol=3e-2 * np.abs(want).max())
-        else:
-            tol = dict(rtol=1e-4, atol=1e-5 * np.abs(want).max())
-        np.testing.assert_allclose(got, want, **tol)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
 
     def scanned(params, xs):
         def body(c, x):
@@ -748,14 +738,13 @@ def stacked_model(layers, x):
     return lax.scan(body, x, layers)[0]
 
 
-@pytest.mark.parametrize("quantized", [False, True], ids=["lora", "qlora"])
-def test_scan_over_stacked_lora_weights_stays_implicit(quantized):
+def test_scan_over_stacked_lora_weights_stays_implicit():
+    """A stack of LoRA layers, one over dense weights and one over NF4 (QLoRA)."""
     layers = {
         "w1": normal((3, 8, 32), seed=1) * 0.3,
         "w2": normal((3, 32, 8), seed=2) * 0.3,
     }
-    if quantized:
-        layers = qax.quant.quantize(layers, "nf4", block_size=8, batch_ndim=1)
+    layers["w2"] = qax.quant.NF4Weight.from_array(layers["w2"], 8, batch_ndim=1)
     lora = qax.lora.loraify(layers, 2, key=jax.random.PRNGKey(0), batch_ndim=1)
     lora = jax.tree_util.tree_map(
         lambda w: dataclasses.replace(w, b=w.b + 0.1),
