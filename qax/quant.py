@@ -108,13 +108,17 @@ class QuantizedWeight(qax.ImplicitArray):
     """Base of the quantized types: `dequantize` decodes; the handlers are shared.
 
     Subclasses define `_decode(**fields)` (the dense weight from the array fields, in
-    ``dtype``) and `from_array()`; ``dtype`` is the dtype of the scales. Every array
-    field has the weight's rank, held per instance by the keyword-only aux field
-    ``weight_ndim`` (declared with ``qax.array_field(ndim="weight_ndim")``; ``None``
-    when constructing: the rank of the fields, an unbatched weight). Leading axes
-    beyond it stack independent weights (scanned layers: ``from_array(w,
-    batch_ndim=1)``, or ``weight_ndim=`` given to the constructor), which `lax.scan` and
-    `vmap` slice without decoding them.
+    ``dtype``), `from_array()` and ``_ARRAYS`` (the names of the array fields);
+    ``dtype`` is the dtype of the scales. Every array field has the weight's rank, held
+    per instance by the keyword-only aux field ``weight_ndim``: declare the array
+    fields with ``qax.array_field(ndim="weight_ndim")``. Constructed without it, a
+    weight is unbatched (``weight_ndim`` is the rank of its fields); with it, leading
+    axes beyond it stack independent weights (scanned layers, as ``from_array(w,
+    batch_ndim=1)`` builds them), which `lax.scan` and `vmap` slice without decoding.
+
+    >>> q = qax.quant.Int8Weight.from_array(jnp.ones((3, 4, 2)), batch_ndim=1)
+    >>> q.shape, q.weight_ndim
+    ((3, 4, 2), 2)
     """
 
     _ARRAYS: ClassVar[tuple[str, ...]] = ()
