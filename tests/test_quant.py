@@ -141,8 +141,8 @@ DOTS = [
     "make, name, x_shape, fn",
     [
         pytest.param(FORMATS[0].values[0], *DOTS[1], id="int8-W@x"),
-        pytest.param(FORMATS[1].values[0], *DOTS[3], id="int4-batched"),
-        pytest.param(FORMATS[2].values[0], *DOTS[0], id="nf4-x@W"),
+        pytest.param(FORMATS[1].values[0], *DOTS[0], id="int4-x@W"),
+        pytest.param(FORMATS[2].values[0], *DOTS[3], id="nf4-batched"),
     ],
 )
 def test_dot_general(make, name, x_shape, fn):
