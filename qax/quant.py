@@ -127,6 +127,19 @@ class QuantizedWeight(qax.ImplicitArray):
     # from the fields when not given (an unbatched weight).
     weight_ndim: int | None = qax.aux_field(default=None, kw_only=True)
 
+    def __post_init__(self) -> None:
+        n = self.weight_ndim
+        if n is not None:
+            ok = isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0
+            if not ok:
+                raise ValueError(
+                    f"{type(self).__name__}: weight_ndim must be the rank of one "
+                    f"unbatched weight (an integer >= 0), got {n!r}; `from_array`'s "
+                    "batch_ndim must be at most the weight's ndim."
+                )
+            self.weight_ndim = int(n)
+        super().__post_init__()
+
     def dequantize(self) -> jax.Array:
         """The dense weight the codes stand for (differentiable in the scales)."""
         return self._decode(**{n: getattr(self, n) for n in self._ARRAYS})

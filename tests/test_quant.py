@@ -108,6 +108,8 @@ def test_zero_weights_and_bad_shapes():
         NF4Weight.from_array(jnp.ones((4, 65)))
     with pytest.raises(ValueError, match="group_size=3"):
         Int4Weight.from_array(jnp.ones((4, 6)), group_size=3)
+    with pytest.raises(ValueError, match="weight_ndim must be .* got -1"):
+        Int8Weight.from_array(jnp.ones((4, 3)), batch_ndim=3)
 
 
 # ----------------------------------------------------------------------------------------
