@@ -110,6 +110,25 @@ def test_jit_square_lora_gets_the_declared_partitioning(spec, want):
     assert _specs(ins) == want and _specs(outs) == want
 
 
+@pytest.mark.parametrize("place", ["constraint", "device_put"])
+def test_annotations_split_a_square_lora_as_declared(place):
+    columns = NamedSharding(MESH, P(None, "i"))
+
+    def f(w):
+        if place == "constraint":
+            return jax.lax.with_sharding_constraint(w, columns)
+        return jax.device_put(w, columns)
+
+    jaxpr = jax.make_jaxpr(qax.use_implicit_args(f))(_square_lora())
+    if place == "constraint":
+        got = [e.params["sharding"] for e in jaxpr.jaxpr.eqns]
+    else:
+        (eqn,) = jaxpr.jaxpr.eqns
+        got = eqn.params["devices"]
+    # w by columns; a (rows, rank) whole; b (columns, rank) by its rows
+    assert _specs(got) == [P(None, "i"), P(), P("i")]
+
+
 def test_jit_sharding_of_an_undeclared_type_warns_and_is_left_to_jax():
     with pytest.warns(UserWarning, match=r"field `w` does not declare.*follows"):
         ins, outs = _jit_shardings(_square_lora(follows=False), P("i", None))
