@@ -34,6 +34,7 @@ import dataclasses
 import math
 import os
 import re
+import subprocess
 import sys
 import traceback
 import warnings
@@ -484,6 +485,54 @@ def eager_rows(configs: dict[str, Config], reps: int, inner: int) -> list[list[s
     return rows
 
 
+# Calls inside `use_implicit_args` of `jnp` functions on plain arrays run what the same
+# calls compiled at top level, if any ran (qax shares the eval trace's `jit` key); in
+# `eager_rows` the dense and hand-written variants make those calls first. A program
+# that only runs the qax model never does: `eager_alone_rows` times each variant in a
+# process of its own, where nothing else ran.
+def eager_alone(variant: str, cfg: Config, calls: int) -> None:
+    """(In a subprocess) print the median seconds of `variant`'s eager forward."""
+    v = build_variants(cfg, scan=False)[0][variant]
+    tokens = jax.random.randint(
+        jax.random.PRNGKey(7), (cfg.batch, cfg.seq + 1), 0, cfg.vocab
+    )
+    times = interleaved(
+        {variant: lambda: jax.block_until_ready(v.loss(v.params, tokens))},
+        reps=calls,
+        warmup=3,
+    )
+    print(median(times[variant]))
+
+
+def eager_alone_rows(
+    configs: dict[str, Config], pairs: int, calls: int, quick: bool
+) -> list[list[str]]:
+    """Hand-written and qax eager forwards, each in a fresh process, `pairs` times."""
+    rows = []
+    for label, cfg in configs.items():
+        model = "small" if cfg == SMALL else "benchmark"
+        times: dict[str, list[float]] = {"hand": [], "qax": []}
+        for i in range(pairs):
+            for variant in ("hand", "qax") if i % 2 == 0 else ("qax", "hand"):
+                command = [__file__, "--eager-alone", variant, model, str(calls)]
+                out = subprocess.run(
+                    [sys.executable, *command, *(["--quick"] if quick else [])],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                )
+                times[variant].append(float(out.stdout.split()[-1]))
+        rows.append(
+            [
+                label,
+                fmt_seconds(median(times["hand"])),
+                fmt_seconds(median(times["qax"])),
+                f"{paired_ratio(times, 'qax', 'hand'):.2f}",
+            ]
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -500,6 +549,12 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="only the eager (un-jitted) forward table",
     )
+    parser.add_argument(
+        "--eager-alone",
+        nargs=3,
+        metavar=("VARIANT", "MODEL", "CALLS"),
+        help=argparse.SUPPRESS,  # one variant in this process (see `eager_alone`)
+    )
     args = parser.parse_args(argv)
     # Any materialization in the qax variant means it is not measuring LoRA any more.
     warnings.simplefilter("error", qax.MaterializationWarning)
@@ -507,10 +562,16 @@ def main(argv: list[str] | None = None) -> None:
         cfg = Config(n_layers=2, seq=32, batch=4)
         reps = Reps(trace_fwd=5, trace_step=3, first_call=1, steady=5)
         eager_reps, eager_inner = 5, 2
+        alone_pairs, alone_calls = 2, 10
     else:
         cfg = Config()
         reps = Reps(trace_fwd=15, trace_step=10, first_call=5, steady=20)
         eager_reps, eager_inner = 21, 5
+        alone_pairs, alone_calls = 6, 40
+    if args.eager_alone:
+        variant, model, calls = args.eager_alone
+        eager_alone(variant, SMALL if model == "small" else cfg, int(calls))
+        return
 
     print(
         f"JAX {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs"
@@ -530,6 +591,21 @@ def main(argv: list[str] | None = None) -> None:
             ["model", "dense", "hand LoRA", "qax LoRA", "qax/hand", "qax/dense"],
             eager_rows(
                 {"benchmark GPT": cfg, "small GPT": SMALL}, eager_reps, eager_inner
+            ),
+        )
+    )
+    print(
+        "\n### eager forward, each variant alone in a fresh process "
+        f"({alone_pairs} processes each, {alone_calls} calls per process)\n"
+    )
+    print(
+        markdown_table(
+            ["model", "hand LoRA", "qax LoRA", "qax/hand"],
+            eager_alone_rows(
+                {"benchmark GPT": cfg, "small GPT": SMALL},
+                alone_pairs,
+                alone_calls,
+                args.quick,
             ),
         )
     )

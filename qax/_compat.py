@@ -103,6 +103,20 @@ def is_eval_trace(trace: Trace) -> bool:
     return isinstance(trace, EvalTrace)
 
 
+def share_jit_key(trace: Trace, parent: Trace) -> None:
+    """Make `trace`, while current, key JAX's `jit` caches as `parent` does.
+
+    JAX puts a weak reference to the current trace into the key of every `jit` cache
+    (C++ dispatch, traced jaxprs): under any other trace than the eval trace, a call of
+    a jitted function (every `jnp` function) misses the C++ fast path and is staged in
+    Python. A trace that binds everything without an implicit operand to `parent`
+    unchanged can take `parent`'s identity there: calls on plain arrays then hit what
+    `parent` compiled. Calls with one of `trace`'s tracers as operand still miss (the
+    fast path takes arrays only) and reach `trace`.
+    """
+    trace._weakref = parent._weakref
+
+
 _STAGING_TRACES = (_pe.DynamicJaxprTrace, _pe.JaxprTrace)
 _DIFFERENTIATING_TRACES = (_ad.JVPTrace, _ad.LinearizeTrace)
 

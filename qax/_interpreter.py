@@ -61,6 +61,7 @@ from ._compat import (
     primitives_module,
     register_lowering_fun,
     set_current_trace,
+    share_jit_key,
     traced_source_line,
     typeof,
 )
@@ -1017,6 +1018,9 @@ def _eager_trace(parent: Trace) -> ImplicitTrace | None:
     trace = getattr(_eager, "trace", None)
     if trace is None or trace.parent_trace is not parent:
         trace = _eager.trace = ImplicitTrace(parent, ImplicitTag())
+        # Plain operands bind to the eval trace unchanged: `jnp` calls on them may take
+        # the C++ path that eval-trace calls compiled (see `share_jit_key`).
+        share_jit_key(trace, parent)
     _eager.in_use = True
     return trace
 

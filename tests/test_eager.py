@@ -206,3 +206,44 @@ def test_effects_inside_jits_run_on_every_call(capsys):
         assert_close(f(Zeros(shape=(3, 4)), X), 2.0 * X)
     jax.effects_barrier()
     assert capsys.readouterr().out.count("seen") == 3
+
+
+def test_warm_jit_caches_do_not_bypass_implicit_operands():
+    """The eager trace keys `jit` caches as the eval trace does (`share_jit_key`).
+
+    Calls compiled at top level are then reused inside for plain operands; a call with
+    an implicit operand of the same shape must still reach its handler.
+    """
+    g = jax.jit(lambda a, b: a * b + b)
+    x = jnp.full((3, 4), 3.0)
+    assert_close(g(x, X), 4.0 * X)  # compiled for f32[3,4] at top level
+    assert_close(jnp.multiply(x, X), 3.0 * X)
+
+    def f(z, x):
+        return g(z, x), jnp.multiply(z, x), g(x, x), jnp.multiply(x, x)
+
+    f_implicit = qax.use_implicit_args(f)
+    with qax.materialization_policy(Zeros, "error"):
+        for _ in range(3):
+            via_jit, product, plain_jit, plain = f_implicit(Zeros(shape=(3, 4)), x)
+            assert isinstance(product, Zeros)
+            assert_close(via_jit, x)
+            assert_close(plain_jit, x * x + x)
+            assert_close(plain, x * x)
+
+
+def test_eager_trace_shares_the_top_level_jit_key():
+    """Plain `jnp` calls inside an eager call hit what the same calls compiled outside.
+
+    A jitted function's C++ cache holds one entry per (signature, `jit` key): calls
+    inside add none. (With tracer-leak checking on, each eager call gets a trace of its
+    own, so the harness's setting is turned off here.)
+    """
+    h = jax.jit(lambda a: jnp.sin(a) * 2.0)
+    with jax.check_tracer_leaks(False):
+        h(X)
+        assert h._cache_size() == 1
+        f = qax.use_implicit_args(lambda z, x: h(x) + z)
+        for _ in range(3):
+            assert_close(f(Zeros(shape=(3, 4)), X), jnp.sin(X) * 2.0)
+        assert h._cache_size() == 1
