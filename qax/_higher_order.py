@@ -302,6 +302,7 @@ def _const(default: Any) -> Callable:
 
 
 def _same_for_all(p: Any, v: Any) -> list:
+    """`p` for every leaf of `v`."""
     return [p] * len(jax.tree_util.tree_leaves(v))
 
 
@@ -1364,10 +1365,6 @@ def _shard_map_rule(trace, primitive, fun, vals, params):
 # Primitives that only annotate or move values: applied leaf by leaf
 
 
-def _same(params: dict, value: Any) -> list:
-    return [params] * len(jax.tree_util.tree_leaves(value))
-
-
 def _pvary_params(params: dict, value: Any) -> list:
     out = []
     for leaf in jax.tree_util.tree_leaves(value):
@@ -1417,9 +1414,9 @@ def _device_put_entry(name: str) -> Callable:
 
 # Single-operand primitives: the params for one leaf (None: leave the leaf alone).
 _SINGLE: dict = {
-    jax.lax.stop_gradient_p: _same,
-    jax.lax.copy_p: _same,
-    primitives_module.name_p: _same,
+    jax.lax.stop_gradient_p: _same_for_all,
+    jax.lax.copy_p: _same_for_all,
+    primitives_module.name_p: _same_for_all,
     jax.lax.sharding_constraint_p: _constraint_params,
 }
 if pvary_p is not None:

@@ -231,6 +231,21 @@ def test_shard_map_splits_leaves_as_the_type_declares():
     assert not forms_full_lora(jaxpr, 16, 6, 2)
 
 
+def test_shard_map_returns_a_split_lora_whole():
+    def f(w, x):
+        return jax.shard_map(
+            lambda w, x: (w, x * 2.0),
+            mesh=MESH,
+            in_specs=(P("i"), P("i")),
+            out_specs=(P("i"), P("i")),
+        )(w, x)
+
+    out, _ = jax.jit(qax.use_implicit_args(f))(lora(), jnp.ones((16, 3)))
+    assert isinstance(out, HLora) and out.shape == (16, 6)
+    assert (out.w.shape, out.a.shape, out.b.shape) == ((16, 6), (16, 2), (6, 2))
+    assert_close(out.materialize(), dense(lora()))
+
+
 def test_shard_map_materializes_a_type_that_does_not_declare_its_split():
     w = _square_lora(follows=False)
     x = jnp.ones((3, 8))
