@@ -25,18 +25,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from . import _dispatch
-from ._base import ImplicitBase, quiet_materialization
+from ._base import NB, ImplicitBase, quiet_materialization
 from ._batching import (
     densify,
-    fields_of,
     rebuild,
     slice_template,
     sliceable,
@@ -84,6 +85,7 @@ from ._interpreter import (
     structural_rules,
     sub_trace,
 )
+from ._partition import Undeclared, child_specs, first_undeclared, leaf_specs
 from ._structure import common_structure_paths, describe, materialize_at, value_at
 
 # ----------------------------------------------------------------------------------------
@@ -280,54 +282,67 @@ def _path_name(path: tuple) -> str:
 # Per-operand parameters and shardings
 
 
-def _per_leaf(values: Sequence, per_value: Sequence, leaf_param: Callable) -> tuple:
+def _per_leaf(values: Sequence, per_value: Sequence, expand: Callable) -> tuple:
     """Expand a per-operand parameter to one entry per flat leaf.
 
-    `leaf_param(param, value, leaf)` gives the entry for one leaf of an implicit value.
+    `expand(param, value)` gives the entries for the leaves of an implicit value, in
+    `tree_leaves` order.
     """
     out = []
     for v, p in zip(values, per_value, strict=True):
         if isinstance(v, ImplicitBase):
-            out.extend(leaf_param(p, v, leaf) for leaf in jax.tree_util.tree_leaves(v))
+            out.extend(expand(p, v))
         else:
             out.append(p)
     return tuple(out)
 
 
 def _const(default: Any) -> Callable:
-    return lambda _p, _v, _leaf: default
+    return lambda _p, v: [default] * len(jax.tree_util.tree_leaves(v))
 
 
-def _spec_fits(spec: Any, value: ImplicitBase, leaf: Any) -> bool:
-    """Whether a leaf of `value` can be partitioned by the `spec` meant for `value`.
+def _same_for_all(p: Any, v: Any) -> list:
+    """`p` for every leaf of `v`."""
+    return [p] * len(jax.tree_util.tree_leaves(v))
 
-    It can when every partitioned dimension exists in the leaf with the size it has in
-    the represented array: the leaf is laid out like the array along those dimensions,
-    as the zero-size shape witness always is. Partitioning such leaves the same way is
-    what JAX does with a pytree given one spec (and `vmap`/`scan` slice every leaf).
+
+_UNDECLARED_SHARDING = (
+    "{what}: {message}. Its leaves {fallback} (a sharding is never guessed from leaf "
+    "shapes)."
+)
+
+
+def _leaf_shardings(sharding: Any, value: ImplicitBase, fallback: Any, what: str):
+    """The sharding of each leaf of `value` when `value` is given `sharding`.
+
+    A `NamedSharding` is the sharding of the array `value` represents; its leaves are
+    partitioned as the type declares (`qax.array_field(follows=...)` or
+    `field_dims()`, see `qax.sharding`). A leaf of a field that declares nothing gets
+    `fallback` (with a warning) where the spec partitions one of the array's own
+    dimensions. Other shardings go to every leaf when fully replicated, else `fallback`.
     """
-    shape = np.shape(leaf)
-    if len(spec) > len(shape):
-        return False
-    return all(
-        axes is None or (d < len(value.shape) and shape[d] == value.shape[d])
-        for d, axes in enumerate(spec)
-    )
-
-
-def _leaf_sharding(sharding: Any, value: ImplicitBase, leaf: Any, fallback: Any) -> Any:
-    """The sharding for a leaf of `value` when `value` is given `sharding`.
-
-    Each leaf gets `sharding` itself, like the leaves of a pytree given one sharding;
-    a leaf that cannot be partitioned that way (a LoRA factor whose dimensions are not
-    those of the weight) gets `fallback`.
-    """
+    n = len(jax.tree_util.tree_leaves(value))
     if sharding is None or sharding is UNSPECIFIED:
-        return sharding
-    spec = getattr(sharding, "spec", None)
-    if spec is not None:
-        return sharding if _spec_fits(spec, value, leaf) else fallback
-    return sharding if getattr(sharding, "is_fully_replicated", False) else fallback
+        return [sharding] * n
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        replicated = getattr(sharding, "is_fully_replicated", False)
+        return [sharding if replicated else fallback] * n
+    specs = leaf_specs(value, sharding.spec)
+    missing = first_undeclared(specs)
+    if missing is not None:
+        fate = (
+            "are left to JAX" if fallback in (None, UNSPECIFIED) else "are replicated"
+        )
+        warnings.warn(
+            _UNDECLARED_SHARDING.format(
+                what=what, message=missing.message, fallback=fate
+            ),
+            stacklevel=2,
+        )
+    return [
+        fallback if isinstance(s, Undeclared) else sharding.update(spec=s)
+        for s in specs
+    ]
 
 
 # ----------------------------------------------------------------------------------------
@@ -379,8 +394,8 @@ def _jit_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list
         per_operand = ("donated_invars", "in_shardings", "in_layouts")
         params |= {n: tuple(itertools.compress(params[n], kept)) for n in per_operand}
 
-    def sharding(p, value, leaf):
-        return _leaf_sharding(p, value, leaf, UNSPECIFIED)
+    def sharding(p, value):
+        return _leaf_shardings(p, value, UNSPECIFIED, "jit shardings")
 
     new_params = dict(
         params,
@@ -896,7 +911,7 @@ def _remat_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> li
     body_jaxpr, hoisted = _hoisted(traced)
     prevent_cse = params["prevent_cse"]
     if isinstance(prevent_cse, tuple):
-        per_leaf = _per_leaf(vals, prevent_cse, lambda p, _v, _leaf: p)
+        per_leaf = _per_leaf(vals, prevent_cse, _same_for_all)
         prevent_cse = (True,) * len(hoisted) + per_leaf
     new_params = dict(params, jaxpr=body_jaxpr.jaxpr, prevent_cse=prevent_cse)
     operands = [*hoisted, *flat_vals]
@@ -1249,27 +1264,26 @@ def _custom_vjp_rule(
 # shard_map
 
 _SHARD_REASON = (
-    "`shard_map` splits this {cls} by the partition spec {spec}, but its leaf of shape "
-    "{leaf_shape} is not laid out like the array it represents {shape} along the "
-    "partitioned dimensions, so it is materialized. Pass it replicated (`P()`) to keep "
-    "it implicit."
+    "`shard_map` splits this {cls} by the partition spec {spec}: {message}; or pass it "
+    "replicated (`P()`). It is materialized."
 )
 
 
 def _fit_spec(value: Any, spec: Any) -> Any:
-    """`value`, materialized if its leaves cannot all be partitioned by `spec`."""
+    """`value`, materialized if its type does not declare how `spec` splits its leaves."""
     if not isinstance(value, ImplicitBase):
         return value
-    for leaf in jax.tree_util.tree_leaves(value):
-        if not _spec_fits(spec, value, leaf):
-            reason = _SHARD_REASON.format(
-                cls=type(value).__name__,
-                spec=spec,
-                leaf_shape=np.shape(leaf),
-                shape=tuple(value.shape),
-            )
-            return _densify(value, "shard_map", reason)
-    return value
+    missing = first_undeclared(leaf_specs(value, spec))
+    if missing is None:
+        return value
+    reason = _SHARD_REASON.format(
+        cls=type(value).__name__, spec=spec, message=missing.message
+    )
+    return _densify(value, "shard_map", reason)
+
+
+def _split_specs(spec: Any, value: ImplicitBase) -> list:
+    return leaf_specs(value, spec)
 
 
 def _spec_sizes(spec: Any, mesh: Any) -> list[int]:
@@ -1287,7 +1301,8 @@ def _reshard(x: Any, spec: Any, mesh: Any, local: bool) -> Any:
     """`x` with the shape one shard sees (`local`), or the global shape again.
 
     Shard-map splits the leaves; the shapes that implicit arrays keep as metadata
-    (theirs, and those of implicit children laid out like them) are split here.
+    (theirs, and those of the implicit arrays their fields hold, split by the specs
+    their types declare) are split here.
     """
     if not isinstance(x, ImplicitBase):
         return x
@@ -1299,18 +1314,11 @@ def _reshard(x: Any, spec: Any, mesh: Any, local: bool) -> Any:
         for d, n in zip(x.shape, sizes + [1] * (len(x.shape) - len(sizes)))
     ]
     children = {}
-    for name in fields_of(type(x)).children:
+    for name, child_spec in child_specs(x, spec).items():
         child = x.__dict__[name]
-        if isinstance(child, ImplicitBase) and _spec_fits(spec, x, _Shape(child)):
-            children[name] = _reshard(child, spec, mesh, local)
-    return rebuild(x, children, tuple(shape), x.__dict__.get("_qax_nb", 0))
-
-
-class _Shape:
-    """Something with a `shape`, for `_spec_fits` (global, as the spec is)."""
-
-    def __init__(self, x: ImplicitBase):
-        self.shape = tuple(x.shape)
+        if isinstance(child, ImplicitBase) and not isinstance(child_spec, Undeclared):
+            children[name] = _reshard(child, child_spec, mesh, local)
+    return rebuild(x, children, tuple(shape), x.__dict__.get(NB, 0))
 
 
 def _shard_map_rule(trace, primitive, fun, vals, params):
@@ -1338,12 +1346,12 @@ def _shard_map_rule(trace, primitive, fun, vals, params):
         info.decide(outs)
         template[:] = [ans.update([None] * len(outs))]
         specs_out[:] = list(out_specs)
-        leaf_specs = _per_leaf(outs, out_specs, lambda spec, _v, _leaf: spec)
-        return FlatTree.flatten(tuple(_leaves(outs))).with_aux(leaf_specs)
+        out_leaf_specs = _per_leaf(outs, out_specs, _split_specs)
+        return FlatTree.flatten(tuple(_leaves(outs))).with_aux(out_leaf_specs)
 
     new_params = dict(
         params,
-        in_specs=_per_leaf(vals, params["in_specs"], lambda spec, _v, _leaf: spec),
+        in_specs=_per_leaf(vals, params["in_specs"], _split_specs),
         debug_info=forget_arg_names(params.get("debug_info")),
     )
     with set_current_trace(trace.parent_trace):
@@ -1357,41 +1365,58 @@ def _shard_map_rule(trace, primitive, fun, vals, params):
 # Primitives that only annotate or move values: applied leaf by leaf
 
 
-def _same(params: dict, _value: Any, _leaf: Any) -> dict:
-    return params
+def _pvary_params(params: dict, value: Any) -> list:
+    out = []
+    for leaf in jax.tree_util.tree_leaves(value):
+        varying = typeof(leaf).mat.varying
+        axes = tuple(a for a in params["axes"] if a not in varying)
+        out.append(dict(params, axes=axes) if axes else None)
+    return out
 
 
-def _pvary_params(params: dict, _value: Any, leaf: Any) -> dict | None:
-    varying = typeof(leaf).mat.varying
-    axes = tuple(a for a in params["axes"] if a not in varying)
-    return dict(params, axes=axes) if axes else None
+def _constraint_params(params: dict, value: Any) -> list:
+    shardings = _leaf_shardings(
+        params["sharding"], value, None, "with_sharding_constraint"
+    )
+    # A layout is the represented array's; it is kept only for a leaf declared to run
+    # along all of the array's dimensions, in order.
+    layout = params.get("layout")
+    exact = _identity_leaves(value) if layout is not None else None
+    return [
+        None
+        if s is None
+        else dict(params, sharding=s, layout=layout if exact and exact[i] else None)
+        for i, s in enumerate(shardings)
+    ]
 
 
-def _constraint_params(params: dict, value: Any, leaf: Any) -> dict | None:
-    sharding = _leaf_sharding(params["sharding"], value, leaf, None)
-    if sharding is None:
-        return None
-    layout = params.get("layout") if np.shape(leaf) == tuple(value.shape) else None
-    return dict(params, sharding=sharding, layout=layout)
+def _identity_leaves(value: ImplicitBase) -> list[bool]:
+    """For each leaf of `value`: whether it is declared laid out like the array."""
+    rank = len(value.shape)
+    dims = leaf_specs(value, PartitionSpec(*[f"_{d}" for d in range(rank)]))
+    return [
+        isinstance(s, PartitionSpec) and tuple(s) == tuple(f"_{d}" for d in range(rank))
+        for s in dims
+    ]
 
 
 def _device_put_entry(name: str) -> Callable:
-    def entry(p: Any, value: Any, leaf: Any) -> Any:
+    def entry(p: Any, value: Any) -> list:
         if name == "devices" and isinstance(p, jax.sharding.NamedSharding):
             replicated = jax.sharding.NamedSharding(
                 p.mesh, jax.sharding.PartitionSpec()
             )
-            return _leaf_sharding(p, value, leaf, replicated)
-        return p
+            return _leaf_shardings(p, value, replicated, "device_put")
+        return _same_for_all(p, value)
 
     return entry
 
 
 # Single-operand primitives: the params for one leaf (None: leave the leaf alone).
 _SINGLE: dict = {
-    jax.lax.stop_gradient_p: _same,
-    jax.lax.copy_p: _same,
-    primitives_module.name_p: _same,
+    jax.lax.stop_gradient_p: _same_for_all,
+    jax.lax.copy_p: _same_for_all,
+    primitives_module.name_p: _same_for_all,
     jax.lax.sharding_constraint_p: _constraint_params,
 }
 if pvary_p is not None:
@@ -1417,11 +1442,10 @@ def _leafwise_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) ->
         (value,) = vals
         leaves, tree = jax.tree_util.tree_flatten(value)
         out = []
-        for leaf in leaves:
-            leaf_params = (
-                _SINGLE[primitive](params, value, leaf) if _has_data(leaf) else None
-            )
-            if leaf_params is not None:
+        for leaf, leaf_params in zip(
+            leaves, _SINGLE[primitive](params, value), strict=True
+        ):
+            if leaf_params is not None and _has_data(leaf):
                 leaf = bind_with_trace(
                     trace.parent_trace, primitive, [leaf], leaf_params
                 )

@@ -29,125 +29,28 @@ quantized) get the spec of the array they hold, and their own leaves follow from
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ._base import ImplicitBase
-from ._batching import FOLLOWS, NB, fields_of, rebuild
+from ._partition import Undeclared, expand_spec, field_dims, is_spec_leaf
 
 __all__ = ["field_dims", "implicit_shardings", "implicit_specs"]
 
-_UNDECLARED = (
-    "The partition spec {spec} for a {cls} of shape {shape} partitions dimensions of "
-    "the array, but its field `{field}` does not declare which of them it runs along, so "
-    "qax cannot say how to partition it. Declare it on the type: "
-    "`{field}: qax.ArrayValue = qax.array_field(ndim=k, follows=(...))` (for each of "
-    "the field's dimensions, the dimension of the array it runs along, or None), or "
-    "define `field_dims(self)` returning such tuples by field name; or pass an explicit "
-    "sharding for each leaf."
-)
-_TOO_LONG = (
-    "The partition spec {spec} has {n} entries, but the {cls} it is given for has shape "
-    "{shape} ({ndim} dimensions)."
-)
-_BAD_DIMS = (
-    "{cls}: field `{field}` declares that its dimensions follow {follows}, but it has "
-    "{leaf_ndim} dimensions beyond the {nb} batch dimension(s) and the array has "
-    "{ndim}; every entry must be None or a dimension of the unbatched array."
-)
-
-
-def field_dims(x: ImplicitBase) -> dict[str, tuple[int | None, ...]]:
-    """Which dimension of the represented array each dimension of each field runs along.
-
-    Read from ``x.field_dims()`` when the type defines it, else from the ``follows=``
-    declarations of its fields (`qax.array_field`). Fields that declare nothing are
-    absent.
-
-    >>> qax.sharding.field_dims(LoraMatrix(w, a, b))
-    {'w': (0, 1), 'a': (0, None), 'b': (1, None)}
-
-    Args:
-      x: an implicit array.
-
-    Returns:
-      A dict from field name to one entry per unbatched dimension of the field: a
-      dimension of the (unbatched) represented array, or `None`.
-
-    Raises:
-      TypeError: `x` is not an implicit array.
-    """
-    if not isinstance(x, ImplicitBase):
-        raise TypeError(f"field_dims takes an implicit array, got {type(x).__name__}.")
-    hook = getattr(x, "field_dims", None)
-    if callable(hook):
-        return {name: tuple(dims) for name, dims in hook().items()}
-    return {
-        f.name: f.metadata[FOLLOWS]
-        for f in dataclasses.fields(x)
-        if FOLLOWS in f.metadata
-    }
-
-
-def _is_spec_leaf(x: Any) -> bool:
-    return x is None or isinstance(x, PartitionSpec)
+_EXPLICIT = "; or pass an explicit sharding for each leaf."
 
 
 def _expand(x: Any, spec: PartitionSpec) -> Any:
-    """`spec` for a plain leaf; for an implicit array, a copy holding its leaves' specs."""
-    if not isinstance(x, ImplicitBase):
-        return spec
-    shape = tuple(x.shape)
-    if len(spec) > len(shape):
-        raise ValueError(
-            _TOO_LONG.format(
-                spec=spec,
-                n=len(spec),
-                cls=type(x).__name__,
-                shape=shape,
-                ndim=len(shape),
-            )
-        )
-    entries = (*spec, *([None] * (len(shape) - len(spec))))
-    nb = x.__dict__.get(NB) or 0
-    batch, inner = entries[:nb], entries[nb:]
-    dims = field_dims(x)
-    children = {}
-    for name in fields_of(type(x)).children:
-        child = x.__dict__[name]
-        follows = dims.get(name)
-        if follows is None:
-            if any(e is not None for e in inner):
-                raise ValueError(
-                    _UNDECLARED.format(
-                        spec=spec, cls=type(x).__name__, shape=shape, field=name
-                    )
-                )
-            child_spec = PartitionSpec(*batch)
-        else:
-            if any(d is not None and d >= len(inner) for d in follows):
-                raise ValueError(
-                    _BAD_DIMS.format(
-                        cls=type(x).__name__,
-                        field=name,
-                        follows=follows,
-                        leaf_ndim=len(follows),
-                        nb=nb,
-                        ndim=len(inner),
-                    )
-                )
-            child_spec = PartitionSpec(
-                *batch, *(None if d is None else inner[d] for d in follows)
-            )
-        children[name] = jax.tree_util.tree_map(
-            lambda leaf, s=child_spec: _expand(leaf, s),
-            child,
-            is_leaf=lambda y: isinstance(y, ImplicitBase),
-        )
-    return rebuild(x, children, shape, x.__dict__.get(NB, 0))
+    """`expand_spec`, raising where a field declares nothing that `spec` needs."""
+
+    def check(s: Any) -> Any:
+        if isinstance(s, Undeclared):
+            raise ValueError(s.message + _EXPLICIT)
+        return s
+
+    return jax.tree_util.tree_map(check, expand_spec(x, spec), is_leaf=is_spec_leaf)
 
 
 def implicit_specs(tree: Any, specs: Any) -> Any:
@@ -185,7 +88,7 @@ def implicit_specs(tree: Any, specs: Any) -> Any:
             is_leaf=lambda y: isinstance(y, ImplicitBase),
         )
 
-    return jax.tree_util.tree_map(expand_subtree, specs, tree, is_leaf=_is_spec_leaf)
+    return jax.tree_util.tree_map(expand_subtree, specs, tree, is_leaf=is_spec_leaf)
 
 
 def implicit_shardings(tree: Any, specs: Any, mesh: jax.sharding.Mesh) -> Any:
@@ -213,5 +116,5 @@ def implicit_shardings(tree: Any, specs: Any, mesh: jax.sharding.Mesh) -> Any:
     return jax.tree_util.tree_map(
         lambda spec: NamedSharding(mesh, spec),
         implicit_specs(tree, specs),
-        is_leaf=_is_spec_leaf,
+        is_leaf=is_spec_leaf,
     )

@@ -23,11 +23,15 @@ import qax
 
 @dataclass
 class HLora(qax.ImplicitArray):
-    """`w + a @ b.T`, never formed by `x @ W` (see `hlora_matmul`)."""
+    """`w + a @ b.T`, never formed by `x @ W` (see `hlora_matmul`).
 
-    w: qax.ArrayValue = qax.array_field(ndim=2)
-    a: qax.ArrayValue = qax.array_field(ndim=2)
-    b: qax.ArrayValue = qax.array_field(ndim=2)
+    `follows`: `a` [m, r] runs along the rows of `w`, `b` [n, r] along its columns
+    (how shardings of the weight split them).
+    """
+
+    w: qax.ArrayValue = qax.array_field(ndim=2, follows=(0, 1))
+    a: qax.ArrayValue = qax.array_field(ndim=2, follows=(0, None))
+    b: qax.ArrayValue = qax.array_field(ndim=2, follows=(1, None))
 
     def materialize(self):
         return self.w + self.a @ jnp.swapaxes(self.b, -1, -2)

@@ -4,11 +4,14 @@ Run directly with `XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m 
 tests/_sharding_cases.py`; without 8 devices every case is skipped.
 """
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from _ho_types import (
+    HLora,
     HZeros,
     all_eqns,
     assert_close,
@@ -46,14 +49,93 @@ def test_jit_named_shardings_on_implicit_operands(mode):
     check_mode(mode, lambda w, x: _inner(w, x), lora(), X)
 
 
-def test_jit_named_sharding_goes_to_leaves_laid_out_like_the_array():
+def _specs(shardings):
+    """Specs with trailing `None`s dropped (``P("i", None)`` partitions as ``P("i")``)."""
+    out = []
+    for s in shardings:
+        entries = list(getattr(s, "spec", s))
+        while entries and entries[-1] is None:
+            entries.pop()
+        out.append(P(*entries))
+    return out
+
+
+def test_jit_named_sharding_goes_to_leaves_as_the_type_declares():
     jaxpr = jax.make_jaxpr(qax.use_implicit_args(lambda w, x: _inner(w, x)))(lora(), X)
     (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "jit"]
-    w, a, b, x = eqn.params["in_shardings"]
-    assert w == ROWS and a == ROWS and x == REPLICATED
-    assert not isinstance(b, NamedSharding)  # (6, 2) is not laid out like (16, 6)
+    # w (16, 6) and a (16, 2) run along the rows; b (6, 2) along the columns: whole
+    assert _specs(eqn.params["in_shardings"]) == [P("i"), P("i"), P(), P()]
     out = qax.use_implicit_args(lambda w, x: _inner(w, x))(lora(), X)
     assert out.sharding == ROWS
+
+
+def _square_lora(follows=True):
+    """A LoRA whose rank equals its width: `a`, `b` and `w` all have shape (8, 8)."""
+    w, a, b = jnp.zeros((8, 8)), jnp.ones((8, 8)), jnp.ones((8, 8))
+    return (HLora if follows else _UndeclaredLora)(w, a, b)
+
+
+@dataclass
+class _UndeclaredLora(qax.ImplicitArray):
+    """`HLora` without `follows`: how its leaves run along the weight is unknown."""
+
+    w: qax.ArrayValue = qax.array_field(ndim=2)
+    a: qax.ArrayValue = qax.array_field(ndim=2)
+    b: qax.ArrayValue = qax.array_field(ndim=2)
+
+    def materialize(self):
+        return self.w + self.a @ self.b.T
+
+
+def _jit_shardings(w, spec):
+    sharding = NamedSharding(MESH, spec)
+    inner = jax.jit(lambda w: w, in_shardings=sharding, out_shardings=sharding)
+    jaxpr = jax.make_jaxpr(qax.use_implicit_args(inner))(w)
+    (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "jit"]
+    return eqn.params["in_shardings"], eqn.params["out_shardings"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "want"),
+    [
+        (P("i", None), [P("i"), P("i"), P()]),
+        (P(None, "i"), [P(None, "i"), P(), P("i")]),
+    ],
+    ids=["rows", "columns"],
+)
+def test_jit_square_lora_gets_the_declared_partitioning(spec, want):
+    # Every leaf has the weight's shape; only the declaration says that the second
+    # dimension of `a` and `b` is the rank.
+    ins, outs = _jit_shardings(_square_lora(), spec)
+    assert _specs(ins) == want and _specs(outs) == want
+
+
+@pytest.mark.parametrize("place", ["constraint", "device_put"])
+def test_annotations_split_a_square_lora_as_declared(place):
+    columns = NamedSharding(MESH, P(None, "i"))
+
+    def f(w):
+        if place == "constraint":
+            return jax.lax.with_sharding_constraint(w, columns)
+        return jax.device_put(w, columns)
+
+    jaxpr = jax.make_jaxpr(qax.use_implicit_args(f))(_square_lora())
+    if place == "constraint":
+        got = [e.params["sharding"] for e in jaxpr.jaxpr.eqns]
+    else:
+        (eqn,) = jaxpr.jaxpr.eqns
+        got = eqn.params["devices"]
+    # w by columns; a (rows, rank) whole; b (columns, rank) by its rows
+    assert _specs(got) == [P(None, "i"), P(), P("i")]
+
+
+def test_jit_sharding_of_an_undeclared_type_warns_and_is_left_to_jax():
+    with pytest.warns(UserWarning, match=r"field `w` does not declare.*follows"):
+        ins, outs = _jit_shardings(_square_lora(follows=False), P("i", None))
+    assert not any(isinstance(s, NamedSharding) for s in (*ins, *outs))
+    # replicated needs no declaration
+    ins, _ = _jit_shardings(_square_lora(follows=False), P())
+    assert _specs(ins) == [P(), P(), P()]
 
 
 def test_jit_sharded_implicit_output():
@@ -122,19 +204,54 @@ def test_shard_map_pvary_on_invariant_implicit():
     assert isinstance(out, HZeros) and out.shape == (16, 6)
 
 
-def test_shard_map_materializes_leaves_that_cannot_be_split():
+def _row_split_matmul(w, x):
+    # rows of the weight split over "i", and the matching columns of x: partial sums
+    return jax.shard_map(
+        lambda w, x: jax.lax.psum(x @ w, "i"),
+        mesh=MESH,
+        in_specs=(P("i"), P(None, "i")),
+        out_specs=P(),
+    )(w, x)
+
+
+def test_shard_map_splits_leaves_as_the_type_declares():
+    x = jnp.ones((3, 16))
+    out = qax.use_implicit_args(_row_split_matmul)(lora(), x)  # no materialization
+    assert_close(out, x @ dense(lora()))
+    jaxpr = jax.make_jaxpr(qax.use_implicit_args(_row_split_matmul))(lora(), x)
+    (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "shard_map"]
+    # w (16, 6) and a (16, 2) split along the rows, b (6, 2) whole; x by its spec
+    assert _specs(eqn.params["in_specs"]) == [P("i"), P("i"), P(), P(None, "i")]
+    assert [v.aval.shape for v in eqn.params["jaxpr"].invars] == [
+        (2, 6),
+        (2, 2),
+        (6, 2),
+        (3, 2),
+    ]
+    assert not forms_full_lora(jaxpr, 16, 6, 2)
+
+
+def test_shard_map_returns_a_split_lora_whole():
     def f(w, x):
         return jax.shard_map(
-            lambda w, x: x @ w.T,
+            lambda w, x: (w, x * 2.0),
             mesh=MESH,
-            in_specs=(P("i"), P()),
-            out_specs=P(None, "i"),
+            in_specs=(P("i"), P("i")),
+            out_specs=(P("i"), P("i")),
         )(w, x)
 
-    x = jnp.ones((3, 6))
-    with pytest.warns(qax.MaterializationWarning, match="shard_map"):
-        out = qax.use_implicit_args(f)(lora(), x)
-    assert_close(out, f(dense(lora()), x))
+    out, _ = jax.jit(qax.use_implicit_args(f))(lora(), jnp.ones((16, 3)))
+    assert isinstance(out, HLora) and out.shape == (16, 6)
+    assert (out.w.shape, out.a.shape, out.b.shape) == ((16, 6), (16, 2), (6, 2))
+    assert_close(out.materialize(), dense(lora()))
+
+
+def test_shard_map_materializes_a_type_that_does_not_declare_its_split():
+    w = _square_lora(follows=False)
+    x = jnp.ones((3, 8))
+    with pytest.warns(qax.MaterializationWarning, match="shard_map.*follows"):
+        out = qax.use_implicit_args(_row_split_matmul)(w, x)
+    assert_close(out, x @ w.materialize())
 
 
 @pytest.mark.parametrize("mode", ["eager", "jit", "jit_grad"])

@@ -618,11 +618,18 @@ def test_annotation_applies_to_each_leaf(primitive):
     jaxpr = jax.make_jaxpr(qax.use_implicit_args(f))(make_lora(), X)
     applied = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == primitive]
     shapes = sorted(tuple(v.aval.shape) for e in applied for v in e.invars)
-    # w, a and b. b (6, 2) is not laid out
-    # like the (5, 6) weight along the constrained dimension, so it is not constrained.
+    # w, a and b. For a constraint by rows, `HLora` declares that w and a run along
+    # the rows and b (6, 2) along the columns: b is constrained whole.
     expected = {"optimization_barrier": [(), (5, 2), (5, 6), (6, 2)]}
-    expected["sharding_constraint"] = [(5, 2), (5, 6)]
     assert shapes == expected.get(primitive, [(5, 2), (5, 6), (6, 2)])
+    if primitive == "sharding_constraint":
+        specs = {e.invars[0].aval.shape: e.params["sharding"].spec for e in applied}
+        P = jax.sharding.PartitionSpec
+        assert specs == {
+            (5, 6): P("i", None),
+            (5, 2): P("i", None),
+            (6, 2): P(None, None),
+        }
     assert not forms_full_lora(jaxpr, 5, 6, 2)
 
 
