@@ -91,7 +91,9 @@ def assert_no_dense_weight(fn, *args, shape):
 # (name, weight shape, a_ndim, x shape, function of (x, w))
 DOT_CASES = [
     ("x@W", (6, 5), 1, (4, 6), lambda x, w: x @ w),
-    ("x@W.T", (5, 6), 1, (4, 6), lambda x, w: jnp.einsum("bi,oi->bo", x, w)),
+    # (x @ W.T, contracting with b first, is checked by
+    # test_the_handler_contracts_x_with_the_matching_factor_first and
+    # test_composed_layouts_stay_implicit; batch-on-a-contract-b has its gradients.)
     ("W@x", (5, 6), 1, (6, 4), lambda x, w: w @ x),
     ("vec@W", (6, 5), 1, (6,), lambda x, w: x @ w),
     (
@@ -343,14 +345,7 @@ def test_structural_handlers_pass_check_handler():
     check_primitive(lambda w: w.T, "transpose", lora)
     check_primitive(lambda w: w.reshape(4, 3, 4), "reshape", lora)
     check_primitive(lambda w: w[:, 4:8], "slice", lora)
-    # Gradients through a bf16 cast are rounded to bf16.
-    check_primitive(
-        lambda w: w.astype(jnp.bfloat16),
-        "convert_element_type",
-        lora,
-        rtol=2e-2,
-        atol=5e-2,
-    )
+    # (convert_element_type and its gradients: test_bf16_compute_over_f32_factors.)
     check_primitive(lambda w, c: w * c, "mul", lora, jnp.float32(3.0))
 
 
