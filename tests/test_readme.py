@@ -20,9 +20,11 @@ def test_readme_starts_with_the_two_commands():
     assert blocks[0].strip() == (
         'python -m pip install -e ".[examples]" && python notebooks/lora_finetune.py'
     )
-    assert blocks[1].strip() == 'python -m pip install -e ".[test]" && python -m pytest'
+    assert blocks[1].strip() == (
+        'python -m pip install -e ".[test]" && python -m pytest -n 2'
+    )
     ci = (README.parent / ".ci" / "run").read_text()
-    assert 'pip install -e ".[test]"' in ci and "pytest" in ci
+    assert 'pip install -e ".[test]"' in ci and "python -m pytest -q -n 2" in ci
 
 
 def _python_blocks():
