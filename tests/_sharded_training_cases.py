@@ -11,7 +11,6 @@ Run directly with `XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m 
 tests/_sharded_training_cases.py`; without 8 devices every case is skipped.
 """
 
-import dataclasses
 import functools
 import gc
 import pathlib
@@ -163,22 +162,8 @@ def make_step(loss: Callable, split: Callable, combine: Callable) -> Callable:
 # Setups
 
 
-@dataclasses.dataclass
-class Setup:
-    """One variant's step, arguments and shardings."""
-
-    step: Callable
-    args: tuple  # (params, opt_state, tokens), unplaced
-    in_shardings: tuple
-    out_shardings: tuple
-
-    def jitted(self) -> Callable:
-        return jax.jit(
-            self.step, in_shardings=self.in_shardings, out_shardings=self.out_shardings
-        )
-
-    def placed(self) -> tuple:
-        return jax.device_put(self.args, self.in_shardings)
+# One variant's step, arguments and shardings: the benchmark's own record.
+Setup = bs.Setup
 
 
 TOKENS = jax.random.randint(
