@@ -6,16 +6,21 @@ upgrade is a change to this file alone. Written against JAX 0.10.x.
 
 from __future__ import annotations
 
+import collections
 import sys
+import threading
+import types
 from collections.abc import Callable
 
 import jax
 import jax.extend.core as jex_core
+import numpy as np
 from jax._src import ad_util as _ad_util
 from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import dtypes as _dtypes
 from jax._src import linear_util as _lu
+from jax._src import pjit as _pjit
 from jax._src import source_info_util as _source_info
 from jax._src import traceback_util as _traceback_util
 from jax._src.array import ArrayImpl as ArrayImpl
@@ -23,6 +28,7 @@ from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import mlir as _mlir
 from jax._src.interpreters import partial_eval as _pe
+from jax._src.lax import lax as _lax_internal
 from jax._src.lax.control_flow.common import _merge_common_consts
 from jax._src.shard_map import shard_map_p as shard_map_p
 from jax._src.sharding_impls import UNSPECIFIED as UNSPECIFIED
@@ -112,7 +118,9 @@ def share_jit_key(trace: Trace, parent: Trace) -> None:
     Python. A trace that binds everything without an implicit operand to `parent`
     unchanged can take `parent`'s identity there: calls on plain arrays then hit what
     `parent` compiled. Calls with one of `trace`'s tracers as operand still miss (the
-    fast path takes arrays only) and reach `trace`.
+    fast path takes arrays only) and reach `trace`. A first call under `trace` must be
+    made at top level instead (`run_jit_at_top_level`), or it marks the shared entry
+    "stage in Python" for top-level calls too.
     """
     trace._weakref = parent._weakref
 
@@ -323,3 +331,215 @@ def forget_export_serialization(nodetype: type, serialized_name: str) -> None:
     if entry is not None:
         _export.serialization_registry.pop(entry[0], None)
     _export.serialization_registry.pop(nodetype, None)
+
+
+# -- eager `jit` calls on plain arrays (the eager `ImplicitTrace`) ------------------------
+#
+# JAX's C++ `jit` dispatch keeps, per jitted function and call signature (argument types,
+# shardings, and the `jit` key of the current trace), either a compiled call or a mark
+# "stage in Python". It makes the entry on the first call, and a call made under any
+# trace but the eval trace marks it "stage in Python" for good. The eager `ImplicitTrace`
+# shares the eval trace's key (`share_jit_key`), so that calls on plain arrays under it
+# reuse what top-level calls compiled; a first call under it would then mark the
+# top-level entry too (about 10x slower plain JAX afterwards). `run_jit_at_top_level`
+# replaces such a first call: it drops the function's entries (the one being made among
+# them), makes the call again with the eval trace current, which stores the compiled
+# call, and restores the function's other entries it made before by calling it with
+# stand-in arguments of their signatures.
+
+_RUN_PYTHON_JIT = getattr(getattr(_pjit, "_run_python_pjit", None), "__code__", None)
+_CACHE_MISS = next(
+    (
+        code
+        for code in getattr(getattr(_pjit, "_cpp_pjit", None), "__code__", ()).co_consts
+        if isinstance(code, types.CodeType) and code.co_name == "cache_miss"
+    )
+    if hasattr(_pjit, "_cpp_pjit")
+    else (),
+    None,
+)
+_MAX_JITS = 4096  # functions remembered (as JAX bounds its own caches)
+_MAX_SIGNATURES = 16  # signatures restored per function
+_jits: collections.OrderedDict = collections.OrderedDict()
+# Guards `_jits` and the signature lists (never held while JAX runs a call: a call may
+# wait for another thread's call of the same function to finish compiling).
+_jits_lock = threading.Lock()
+
+
+class _TopLevelJit:
+    """A jitted function called from the eager trace: a C++ dispatcher sharing its
+    C++ cache, and the call signatures made for it (key -> stand-in arguments)."""
+
+    __slots__ = ("fun", "dispatch", "signatures")
+
+    def __init__(self, fun, info):
+        self.fun = fun
+        self.dispatch = _pjit._cpp_pjit(fun, info)
+        self.signatures: collections.OrderedDict = collections.OrderedDict()
+
+    @staticmethod
+    def of(fun, info) -> _TopLevelJit:
+        ident = _jit_identity(fun, info)
+        with _jits_lock:
+            jit = _jits.get(ident)
+            if jit is None:
+                jit = _jits[ident] = _TopLevelJit(fun, info)
+                if len(_jits) > _MAX_JITS:
+                    _jits.popitem(last=False)
+            else:
+                _jits.move_to_end(ident)
+            return jit
+
+    def restore(self, keep) -> None:
+        """Make the C++ entries of the signatures made before again (but `keep`'s)."""
+        with _jits_lock:
+            made = [item for item in self.signatures.items() if item[0] != keep]
+        for key, stand_in in made:
+            try:
+                args, kwargs = stand_in()
+                self.dispatch(*args, **kwargs)
+            except Exception:  # noqa: BLE001 (only a fast path is lost)
+                with _jits_lock:
+                    self.signatures.pop(key, None)
+
+    def remember(self, signature) -> None:
+        if signature is None:
+            return
+        key, stand_in = signature
+        with _jits_lock:
+            self.signatures[key] = stand_in
+            self.signatures.move_to_end(key)
+            if len(self.signatures) > _MAX_SIGNATURES:
+                self.signatures.popitem(last=False)
+
+
+def run_jit_at_top_level(args_flat: list):
+    """Make the `jit` call whose bind reached the current trace with `args_flat` at top
+    level, storing it in JAX's C++ dispatch cache; its flat outputs, or None.
+
+    None (bind as usual) unless the frames are those of a C++ `jit` call whose staged
+    operands are `args_flat` and the call can be made again at top level: no effects
+    (a stand-in call must not print or call back), no NaN/Inf/key-reuse checks.
+    """
+    if _RUN_PYTHON_JIT is None or _CACHE_MISS is None:
+        return None
+    # run_jit_at_top_level <- process_primitive <- bind_with_trace <- bind
+    # <- _run_python_pjit <- cache_miss
+    frame = sys._getframe(4)
+    if frame.f_code is not _RUN_PYTHON_JIT:
+        return None
+    caller = frame.f_back
+    if caller is None or caller.f_code is not _CACHE_MISS:
+        return None
+    staged = frame.f_locals
+    bound, p = staged.get("args_flat"), staged.get("p")
+    if bound is None or p is None or len(bound) != len(args_flat):
+        return None
+    for staged_arg, arg in zip(bound, args_flat, strict=True):
+        # (`bind` turns Python scalars and NumPy values into new objects)
+        if staged_arg is not arg and isinstance(staged_arg, ArrayImpl | Tracer):
+            return None
+    info = caller.f_locals.get("jit_info")
+    if info is None or p.params["jaxpr"].effects:
+        return None
+    if _config.debug_nans.value or _config.debug_infs.value:
+        return None
+    if _config.debug_key_reuse.value:
+        return None
+    fun, args, kwargs = staged["fun"], staged["args"], staged["kwargs"]
+    del frame, caller, staged, bound
+    with _core.take_current_trace():
+        if not _core.trace_state_clean():
+            return None
+        jit = _TopLevelJit.of(fun, info)
+        # Drops the entry C++ is making for this call (it would stay "stage in
+        # Python"), and the function's others: the calls below make them again.
+        jit.dispatch._clear_cache()
+        outs = jit.dispatch(*args, **kwargs)
+        signature = _stand_in_call(info, args, kwargs)
+        jit.restore(keep=None if signature is None else signature[0])
+        jit.remember(signature)
+    return p.out_tree.flatten_up_to(outs)
+
+
+def _jit_identity(fun, info) -> tuple:
+    """What identifies a `jit` of `fun` in JAX's C++ cache (some `jnp` functions, such as
+    `jnp.einsum`, make a new `jit` of the same function on every call)."""
+    key = (fun,) + tuple(
+        getattr(info, name) for name in info._fields if name not in _UNKEYED_INFO
+    )
+    try:
+        hash(key)
+    except TypeError:  # (JAX's `PjitInfo` itself hashes by identity)
+        return (fun, info)
+    return key
+
+
+# Fields of JAX's `PjitInfo` that describe the function rather than key its cache.
+_UNKEYED_INFO = frozenset({"fun_sourceinfo", "fun_signature"})
+_SCALARS = (bool, int, float, complex)
+
+
+def _leaf_kind(x):
+    """What the C++ signature of a call records of an argument leaf `x` (None: a kind
+    of leaf no stand-in is made for)."""
+    if type(x) is ArrayImpl:
+        if _dtypes.issubdtype(x.dtype, _dtypes.extended):
+            return None
+        return ("array", x.shape, x.dtype, x.weak_type, x.sharding, x._committed)
+    if type(x) in _SCALARS:
+        return ("scalar", type(x))
+    if isinstance(x, np.generic | np.ndarray):
+        return ("numpy", type(x), np.shape(x), x.dtype)
+    return None
+
+
+def _zeros_of_kind(kind, x):
+    """A leaf of `kind` holding zeros (`x`, when it is a Python scalar)."""
+    if kind[0] == "scalar":
+        return x
+    if kind[0] == "numpy":
+        _, cls, shape, dtype = kind
+        return dtype.type(0) if issubclass(cls, np.generic) else np.zeros(shape, dtype)
+    _, shape, dtype, weak_type, sharding, committed = kind
+    zero = _lax_internal._convert_element_type(
+        np.zeros((), dtype), dtype, weak_type=weak_type
+    )
+    zeros = _lax_internal.broadcast(zero, shape)
+    return jax.device_put(zeros, sharding) if committed else zeros
+
+
+def _stand_in_call(info, args, kwargs):
+    """`(key, stand_in)` for a call of the `jit` with `info`: a hashable key of the
+    call's C++ signature and a function giving `(args, kwargs)` of that signature
+    holding zeros. None if some argument is of a kind no stand-in is made for."""
+    static, names = info.static_argnums, info.static_argnames
+    dynamic = (
+        [a for i, a in enumerate(args) if i not in static],
+        {k: v for k, v in kwargs.items() if k not in names},
+    )
+    static_args = {i: a for i, a in enumerate(args) if i in static}
+    static_kwargs = {k: v for k, v in kwargs.items() if k in names}
+    leaves, treedef = jax.tree_util.tree_flatten(dynamic)
+    kinds = tuple(map(_leaf_kind, leaves))
+    if any(kind is None for kind in kinds):
+        return None
+    key = (len(args), tuple(static_args.items()), tuple(sorted(static_kwargs.items())))
+    key = (*key, treedef, kinds)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    scalars = [x if kind[0] == "scalar" else None for x, kind in zip(leaves, kinds)]
+    count = len(args)  # (the stand-in keeps no argument array alive)
+
+    def stand_in():
+        values = [_zeros_of_kind(k, x) for k, x in zip(kinds, scalars, strict=True)]
+        dyn_args, dyn_kwargs = jax.tree_util.tree_unflatten(treedef, values)
+        dyn_args = iter(dyn_args)
+        full = [
+            static_args[i] if i in static_args else next(dyn_args) for i in range(count)
+        ]
+        return full, {**static_kwargs, **dyn_kwargs}
+
+    return key, stand_in

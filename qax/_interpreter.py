@@ -60,6 +60,7 @@ from ._compat import (
     primitive_jvps,
     primitives_module,
     register_lowering_fun,
+    run_jit_at_top_level,
     set_current_trace,
     share_jit_key,
     traced_source_line,
@@ -293,6 +294,8 @@ class ImplicitTrace(Trace):
         self.requires_low = False
         # Eager: primitives on plain operands run right away (see `eager_jit`).
         self.eager = is_eval_trace(parent_trace)
+        # Whether it keys JAX's `jit` caches as its parent does (see `share_jit_key`).
+        self.shares_jit_key = False
         # While an eager operator is looked at: the binds it makes (see `_operator`).
         self.recording: list | None = None
 
@@ -340,6 +343,10 @@ class ImplicitTrace(Trace):
                 and holds_created_implicit(params)
             ):
                 if primitive is _JIT and self.eager:
+                    if self.shares_jit_key:
+                        outs = run_jit_at_top_level(vals)
+                        if outs is not None:
+                            return outs
                     compiled = eager_jit(params)
                     if compiled is not None:
                         return compiled(*vals)
@@ -1019,8 +1026,10 @@ def _eager_trace(parent: Trace) -> ImplicitTrace | None:
     if trace is None or trace.parent_trace is not parent:
         trace = _eager.trace = ImplicitTrace(parent, ImplicitTag())
         # Plain operands bind to the eval trace unchanged: `jnp` calls on them may take
-        # the C++ path that eval-trace calls compiled (see `share_jit_key`).
+        # the C++ path that eval-trace calls compiled (see `share_jit_key`); their first
+        # calls are made at top level (`run_jit_at_top_level`).
         share_jit_key(trace, parent)
+        trace.shares_jit_key = True
     _eager.in_use = True
     return trace
 

@@ -8,8 +8,12 @@ that nothing is cached that must not be (scalar values, JAX's configuration, han
 registrations, Python side effects, warnings).
 """
 
+import gc
 import operator
+import sys
+import threading
 import warnings
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +21,7 @@ import numpy as np
 import pytest
 
 import qax
-from qax import _interpreter
+from qax import _compat, _interpreter
 from qax.symbols import SymbolicConstant
 from tests.helpers import Zeros, assert_close, make_lora
 
@@ -247,3 +251,206 @@ def test_eager_trace_shares_the_top_level_jit_key():
         for _ in range(3):
             assert_close(f(Zeros(shape=(3, 4)), X), jnp.sin(X) * 2.0)
         assert h._cache_size() == 1
+
+
+# -- first `jit` calls inside an eager call are made at top level ----------------------
+#
+# JAX's C++ `jit` cache marks an entry "stage in Python" for good when its first call is
+# made under a trace. With the eager trace sharing the eval trace's `jit` key, that would
+# slow down the same calls at top level too; qax makes such first calls at top level
+# (`qax._compat.run_jit_at_top_level`). These tests count the calls that JAX stages in
+# Python (its C++ path missed) per jitted function. Tracer-leak checking (on in this
+# suite) gives each eager call a trace of its own, which shares nothing: it is off here.
+
+
+class _StagedCalls:
+    """Counts, per function, the `jit` calls that JAX stages in Python."""
+
+    def __init__(self):
+        self.counts: dict = {}
+
+    def _profile(self, frame, event, arg):
+        if event == "call" and frame.f_code is _compat._RUN_PYTHON_JIT:
+            fun = frame.f_locals["fun"]
+            self.counts[fun] = self.counts.get(fun, 0) + 1
+
+    def __enter__(self):
+        self.counts.clear()
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc):
+        sys.setprofile(None)
+
+    def of(self, jitted) -> int:
+        return self.counts.get(jitted.__wrapped__, 0)
+
+
+def _fresh_jit(scale):
+    # A new function per test: the C++ cache is keyed on the function object.
+    return jax.jit(lambda a, b: a * scale + b)
+
+
+def test_plain_jit_calls_inside_an_eager_call_take_the_fast_path():
+    g = _fresh_jit(2.0)
+    y = jnp.ones((3, 4))
+    f = qax.use_implicit_args(lambda z, x, y: g(x, y) + z)
+    with jax.check_tracer_leaks(False):
+        assert_close(f(Zeros(shape=(3, 4)), X, y), 2.0 * X + 1.0)
+        with _StagedCalls() as staged:
+            for _ in range(3):
+                assert_close(f(Zeros(shape=(3, 4)), X, y), 2.0 * X + 1.0)
+        assert staged.of(g) == 0
+
+
+def test_eager_calls_leave_top_level_jit_calls_fast():
+    """The first call of `g` for a signature happens inside: at top level it stays on
+    JAX's C++ path afterwards (it was staged in Python on every call before)."""
+    g = _fresh_jit(3.0)
+    y = jnp.ones((3, 4))
+    f = qax.use_implicit_args(lambda z, x, y: g(x, y) + z)
+    with jax.check_tracer_leaks(False):
+        f(Zeros(shape=(3, 4)), X, y)
+        with _StagedCalls() as staged:
+            for _ in range(3):
+                assert_close(g(X, y), 3.0 * X + 1.0)
+        assert staged.of(g) == 0
+        assert g._cache_size() == 1
+
+
+def _signatures():
+    """Arguments of one function, with different C++ signatures each."""
+    device = jax.devices()[0]
+    return [
+        (X, jnp.ones((3, 4))),
+        (jnp.arange(5.0), 1.0),  # a Python scalar
+        (jnp.arange(5.0), np.float32(2.0)),  # a NumPy scalar
+        (np.ones((2, 2), np.float32), jnp.ones((2, 2))),  # a NumPy array
+        (jax.device_put(X, device), jnp.zeros((3, 4))),  # a committed array
+        (jnp.asarray(1.5, dtype=jnp.float32) + 1, jnp.ones(())),
+        (jax.lax.full((2,), 4.0, jnp.float32), 0.5),
+    ]
+
+
+def test_alternating_signatures_all_stay_on_the_fast_path():
+    """Making a first call at top level drops the function's other C++ entries; those
+    qax made before are made again (with stand-in arguments), inside and outside."""
+    g = _fresh_jit(0.5)
+    calls = _signatures()
+    weak = jnp.asarray(2.0) * 1  # a weakly typed array (from a Python scalar)
+    assert weak.weak_type
+    calls.append((weak, jnp.ones(())))
+
+    def f(z, calls):
+        return [g(a, b) + z for a, b in calls]
+
+    f_implicit = qax.use_implicit_args(f)
+    with jax.check_tracer_leaks(False):
+        expected = [0.5 * np.asarray(a) + np.asarray(b) for a, b in calls]
+        for call in calls:  # each signature first seen alone, in its own eager call
+            f_implicit(Zeros(shape=()), [call])
+        with _StagedCalls() as staged:
+            for _ in range(2):
+                outs = f_implicit(Zeros(shape=()), calls)
+                for out, want in zip(outs, expected, strict=True):
+                    assert_close(out, want)
+            for (a, b), want in zip(calls, expected, strict=True):
+                assert_close(g(a, b), want)
+        assert staged.of(g) == 0
+
+
+def test_jnp_functions_that_make_a_jit_per_call_stay_fast():
+    """`jnp.einsum` makes a new `jit` of one function per call: its signatures share
+    one C++ cache, and alternating them inside an eager call keeps them all."""
+    a, b = jnp.ones((2, 3, 4)), jnp.ones((2, 4, 5))
+
+    def f(z, a, b):
+        return (
+            jnp.einsum("bij,bjk->bik", a, b) + z,
+            jnp.einsum("bij,bij->b", a, a),
+            jnp.einsum("bjk,bjk->bk", b, b),
+        )
+
+    f_implicit = qax.use_implicit_args(f)
+    with jax.check_tracer_leaks(False):
+        f_implicit(Zeros(shape=(2, 3, 5)), a, b)
+        with _StagedCalls() as staged:
+            outs = f_implicit(Zeros(shape=(2, 3, 5)), a, b)
+        assert_close(outs[0], a @ b)
+        assert_close(outs[1], jnp.full((2,), 12.0))
+        assert_close(outs[2], jnp.full((2, 5), 4.0))
+        staged_fns = {getattr(fn, "__name__", "") for fn in staged.counts}
+        assert "_einsum" not in staged_fns, staged.counts
+
+
+def test_jit_calls_with_effects_run_once_per_call_with_a_shared_key(capsys):
+    g = jax.jit(lambda a: (jax.debug.print("seen {}", a.sum()), a * 2.0)[1])
+    f = qax.use_implicit_args(lambda z, x: g(x) + z)
+    with jax.check_tracer_leaks(False):
+        for _ in range(3):
+            assert_close(f(Zeros(shape=(3, 4)), X), 2.0 * X)
+        jax.effects_barrier()
+    assert capsys.readouterr().out.count("seen") == 3
+
+
+def test_donating_jit_calls_inside_an_eager_call():
+    g = jax.jit(lambda a, b: a * 2.0 + b, donate_argnums=0)
+    f = qax.use_implicit_args(lambda z, x: g(x + 1.0, x) + z)
+    with jax.check_tracer_leaks(False):
+        for _ in range(3):
+            assert_close(f(Zeros(shape=(3, 4)), X), 3.0 * X + 2.0)
+        assert_close(g(X + 1.0, X), 3.0 * X + 2.0)
+
+
+def test_jit_errors_inside_an_eager_call_are_raised_unchanged():
+    g = jax.jit(lambda a, b: a @ b)
+    f = qax.use_implicit_args(lambda z, x: g(x, x) + z)
+    with jax.check_tracer_leaks(False), pytest.raises(TypeError, match="dot_general"):
+        f(Zeros(shape=(3, 4)), X)
+
+
+def test_first_calls_at_top_level_keep_no_arguments_alive_and_do_not_grow():
+    g = _fresh_jit(1.0)
+    f = qax.use_implicit_args(lambda z, x: g(x, x) + z)
+    with jax.check_tracer_leaks(False):
+        x = jnp.ones((3, 4)) * 2.0
+        ref = weakref.ref(x)
+        assert_close(f(Zeros(shape=(3, 4)), x), 2.0 * x)
+        del x
+        gc.collect()
+        assert ref() is None
+        sizes = len(_compat._jits)
+        for _ in range(5):
+            f(Zeros(shape=(3, 4)), jnp.ones((3, 4)))
+        assert len(_compat._jits) == sizes
+
+
+def test_eager_calls_in_threads_share_the_top_level_calls():
+    """Threads make first calls of one function (several signatures) at the same time:
+    all results right, nobody waits forever on another thread's compile."""
+    g = _fresh_jit(-1.0)
+    calls = _signatures()
+    expected = [-np.asarray(a) + np.asarray(b) for a, b in calls]
+    f_implicit = qax.use_implicit_args(lambda z, calls: [g(a, b) + z for a, b in calls])
+    failures = []
+
+    def work(order):
+        try:
+            with jax.check_tracer_leaks(False):
+                for i in order * 3:
+                    out = f_implicit(Zeros(shape=()), [calls[i]])[0]
+                    np.testing.assert_allclose(out, expected[i], rtol=1e-6)
+        except Exception as e:  # noqa: BLE001 (reported below)
+            failures.append(e)
+
+    indices = list(range(len(calls)))
+    threads = [
+        threading.Thread(target=work, args=(order,), daemon=True)
+        for order in (indices, indices[::-1], indices[1::2] + indices[::2])
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "a thread hangs"
+    assert not failures, failures
