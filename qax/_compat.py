@@ -10,6 +10,7 @@ import collections
 import sys
 import threading
 import types
+import weakref
 from collections.abc import Callable
 
 import jax
@@ -358,55 +359,55 @@ _CACHE_MISS = next(
     else (),
     None,
 )
-_MAX_JITS = 4096  # functions remembered (as JAX bounds its own caches)
 _MAX_SIGNATURES = 16  # signatures restored per function
-_jits: collections.OrderedDict = collections.OrderedDict()
-# Guards `_jits` and the signature lists (never held while JAX runs a call: a call may
-# wait for another thread's call of the same function to finish compiling).
-_jits_lock = threading.Lock()
+# Per jitted function (weakly, as JAX's C++ cache holds it) and `jit` options: the call
+# signatures made at top level for it (key -> stand-in arguments).
+_made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Guards `_made` (never held while JAX runs a call: a call may wait for another
+# thread's call of the same function to finish compiling).
+_made_lock = threading.Lock()
 
 
 class _TopLevelJit:
-    """A jitted function called from the eager trace: a C++ dispatcher sharing its
-    C++ cache, and the call signatures made for it (key -> stand-in arguments)."""
+    """A jitted function called from the eager trace: a C++ dispatcher sharing its C++
+    cache, and the call signatures made for it before."""
 
-    __slots__ = ("fun", "dispatch", "signatures")
+    __slots__ = ("dispatch", "signatures")
 
-    def __init__(self, fun, info):
-        self.fun = fun
+    def __init__(self, fun, info, signatures: collections.OrderedDict):
         self.dispatch = _pjit._cpp_pjit(fun, info)
-        self.signatures: collections.OrderedDict = collections.OrderedDict()
+        self.signatures = signatures
 
     @staticmethod
-    def of(fun, info) -> _TopLevelJit:
-        ident = _jit_identity(fun, info)
-        with _jits_lock:
-            jit = _jits.get(ident)
-            if jit is None:
-                jit = _jits[ident] = _TopLevelJit(fun, info)
-                if len(_jits) > _MAX_JITS:
-                    _jits.popitem(last=False)
-            else:
-                _jits.move_to_end(ident)
-            return jit
+    def of(fun, info) -> _TopLevelJit | None:
+        """None if `fun` is not weakly referable (JAX's C++ cache of its `jit` is then
+        private to that `jit` object, which qax cannot reach)."""
+        options = _jit_options(info)
+        with _made_lock:
+            try:
+                per_options = _made.setdefault(fun, {})
+            except TypeError:
+                return None
+            signatures = per_options.setdefault(options, collections.OrderedDict())
+        return _TopLevelJit(fun, info, signatures)
 
     def restore(self, keep) -> None:
         """Make the C++ entries of the signatures made before again (but `keep`'s)."""
-        with _jits_lock:
+        with _made_lock:
             made = [item for item in self.signatures.items() if item[0] != keep]
         for key, stand_in in made:
             try:
                 args, kwargs = stand_in()
                 self.dispatch(*args, **kwargs)
             except Exception:  # noqa: BLE001 (only a fast path is lost)
-                with _jits_lock:
+                with _made_lock:
                     self.signatures.pop(key, None)
 
     def remember(self, signature) -> None:
         if signature is None:
             return
         key, stand_in = signature
-        with _jits_lock:
+        with _made_lock:
             self.signatures[key] = stand_in
             self.signatures.move_to_end(key)
             if len(self.signatures) > _MAX_SIGNATURES:
@@ -452,6 +453,8 @@ def run_jit_at_top_level(args_flat: list):
         if not _core.trace_state_clean():
             return None
         jit = _TopLevelJit.of(fun, info)
+        if jit is None:
+            return None
         # Drops the entry C++ is making for this call (it would stay "stage in
         # Python"), and the function's others: the calls below make them again.
         jit.dispatch._clear_cache()
@@ -462,16 +465,17 @@ def run_jit_at_top_level(args_flat: list):
     return p.out_tree.flatten_up_to(outs)
 
 
-def _jit_identity(fun, info) -> tuple:
-    """What identifies a `jit` of `fun` in JAX's C++ cache (some `jnp` functions, such as
-    `jnp.einsum`, make a new `jit` of the same function on every call)."""
-    key = (fun,) + tuple(
+def _jit_options(info) -> tuple:
+    """The options of a `jit` (JAX's `PjitInfo`) that key its C++ cache, with the function
+    (some `jnp` functions, such as `jnp.einsum`, make a new `jit` of one function on every
+    call: their signatures share one C++ cache)."""
+    key = tuple(
         getattr(info, name) for name in info._fields if name not in _UNKEYED_INFO
     )
     try:
         hash(key)
     except TypeError:  # (JAX's `PjitInfo` itself hashes by identity)
-        return (fun, info)
+        return (info,)
     return key
 
 

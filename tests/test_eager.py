@@ -409,20 +409,30 @@ def test_jit_errors_inside_an_eager_call_are_raised_unchanged():
         f(Zeros(shape=(3, 4)), X)
 
 
-def test_first_calls_at_top_level_keep_no_arguments_alive_and_do_not_grow():
+def test_first_calls_at_top_level_keep_nothing_alive_and_do_not_grow():
+    """What qax keeps of a function's first calls holds no argument array and not the
+    function (JAX's C++ cache holds it weakly too), and stops growing."""
     g = _fresh_jit(1.0)
-    f = qax.use_implicit_args(lambda z, x: g(x, x) + z)
+    f = qax.use_implicit_args(lambda z, x, g: g(x, x) + z)
     with jax.check_tracer_leaks(False):
         x = jnp.ones((3, 4)) * 2.0
         ref = weakref.ref(x)
-        assert_close(f(Zeros(shape=(3, 4)), x), 2.0 * x)
+        assert_close(f(Zeros(shape=(3, 4)), x, g), 2.0 * x)
         del x
         gc.collect()
         assert ref() is None
-        sizes = len(_compat._jits)
+
+        made = _compat._made[g.__wrapped__]
+        counts = [len(signatures) for signatures in made.values()]
+        assert counts == [1]
         for _ in range(5):
-            f(Zeros(shape=(3, 4)), jnp.ones((3, 4)))
-        assert len(_compat._jits) == sizes
+            f(Zeros(shape=(3, 4)), jnp.ones((3, 4)), g)
+        assert [len(signatures) for signatures in made.values()] == counts
+
+        fun = weakref.ref(g.__wrapped__)
+        del g, made
+        gc.collect()
+        assert fun() is None
 
 
 def test_eager_calls_in_threads_share_the_top_level_calls():
