@@ -26,7 +26,7 @@ up-projection ``lora_B`` (``weight`` = ``b.T``), so ``x @ W_eff = x @ w + s (x @
 For a Flax convolution kernel ``(*spatial, in, out)``, ``a`` is ``(*spatial, in, rank)``
 (a convolution with ``rank`` output channels) and ``b`` is ``(rank, out)`` (a 1x1
 convolution), as in PEFT's convolution LoRA. Equinox stores ``Linear`` weights as
-``(out, in)`` and convolutions as ``(out, in, *spatial)``: use ``a_ndim=1`` in `loraify`
+``(out, in)`` and convolutions as ``(out, in, *spatial)``: use ``split_at=1`` in `loraify`
 (``a: (out, rank)``, ``b: (rank, in, *spatial)``).
 
 **Gradients.** With ``freeze_w=True`` (the default) the handlers (and `materialize`) apply
@@ -649,9 +649,9 @@ def default_filter(path: str, leaf: Any) -> bool:
     return not any(_EXCLUDED.search(part) for part in path.split("/"))
 
 
-_BAD_A_NDIM = (
-    "loraify: a_ndim={a_ndim} for the weight at {path!r} of shape {shape}; it must leave "
-    "at least one axis to each factor (1 <= a_ndim <= {most})."
+_BAD_SPLIT = (
+    "loraify: split_at={split_at} for the weight at {path!r} of shape {shape}; it must "
+    "leave at least one axis to each factor (1 <= split_at <= {most})."
 )
 
 
@@ -662,7 +662,7 @@ def loraify(
     key: jax.Array,
     alpha: float | None = None,
     filter: Callable[[str, Any], bool] | None = None,
-    a_ndim: int | Callable[[str, Any], int] | None = None,
+    split_at: int | Callable[[str, Any], int] | None = None,
     freeze_w: bool = True,
     dtype: Any = None,
     batch_ndim: int | Callable[[str, Any], int] = 0,
@@ -687,10 +687,11 @@ def loraify(
       filter: ``filter(path, leaf) -> bool`` chooses the weights; ``path`` is the leaf's
         key path as ``"a/b/c"`` (NNX states end in ``/value``). Default:
         `default_filter` (every 2-D+ weight but embeddings and norms).
-      a_ndim: how many leading axes of a weight belong to ``a`` (an int, or a function
-        of ``(path, leaf)``). Default: all but the last (Flax ``(in, out)`` kernels and
+      split_at: where a weight's axes split between the factors: ``a`` takes the axes
+        before it, ``b`` the rest (an int, or a function of ``(path, leaf)``). Default:
+        all but the last axis go to ``a`` (Flax ``(in, out)`` kernels and
         ``(*spatial, in, out)`` convolutions); use ``1`` for Equinox ``(out, in, ...)``
-        weights.
+        weights. (Not `LoraWeight.a_ndim`, the rank of ``a``, which is ``split_at + 1``.)
       freeze_w: passed to every `LoraWeight`.
       dtype: the dtype of the new factors (default: the weight's).
       batch_ndim: leading axes of a chosen weight that stack independent weights
@@ -703,7 +704,7 @@ def loraify(
       ``params`` with the chosen weights replaced by `LoraWeight`s.
 
     Raises:
-      ValueError: ``rank`` is not positive, or ``a_ndim`` leaves a factor no axis.
+      ValueError: ``rank`` is not positive, or ``split_at`` leaves a factor no axis.
     """
     if int(rank) < 1:
         raise ValueError(f"loraify: rank must be a positive integer, got {rank!r}.")
@@ -717,12 +718,12 @@ def loraify(
         if len(leaf.shape) - nb < 2:
             return leaf
         lead, shape = tuple(leaf.shape[:nb]), tuple(leaf.shape[nb:])
-        p = a_ndim(name, leaf) if callable(a_ndim) else a_ndim
+        p = split_at(name, leaf) if callable(split_at) else split_at
         p = len(shape) - 1 if p is None else int(p)
         if not 1 <= p <= len(shape) - 1:
             raise ValueError(
-                _BAD_A_NDIM.format(
-                    a_ndim=p, path=name, shape=leaf.shape, most=len(shape) - 1
+                _BAD_SPLIT.format(
+                    split_at=p, path=name, shape=leaf.shape, most=len(shape) - 1
                 )
             )
         factor_dtype = dtype or leaf.dtype

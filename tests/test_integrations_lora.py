@@ -200,7 +200,7 @@ def test_linen_scan_remat_stack_trains_only_factors():
 def test_equinox_loraify_module():
     k = jax.random.split(KEY, 3)
     model = eqx.nn.MLP(8, 4, width_size=16, depth=2, key=k[0])
-    model = _bump_b(lora.loraify(model, 2, key=k[1], a_ndim=1))
+    model = _bump_b(lora.loraify(model, 2, key=k[1], split_at=1))
     assert len(_implicit(model, lora.LoraWeight)) == 3
     x = jax.random.normal(k[2], (5, 8))
 

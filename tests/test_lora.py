@@ -18,9 +18,9 @@ from qax.lora import LoraAdapter, LoraWeight
 from qax.testing import check_handler
 
 
-def make_lora(shape, a_ndim=None, rank=3, dtype=jnp.float32, seed=0, freeze_w=False):
+def make_lora(shape, split_at=None, rank=3, dtype=jnp.float32, seed=0, freeze_w=False):
     """A LoraWeight with random (non-zero) factors, so the low-rank part matters."""
-    p = len(shape) - 1 if a_ndim is None else a_ndim
+    p = len(shape) - 1 if split_at is None else split_at
     kw, ka, kb = jax.random.split(jax.random.PRNGKey(seed), 3)
     w = jax.random.normal(kw, shape).astype(dtype)
     a = (0.5 * jax.random.normal(ka, (*shape[:p], rank))).astype(dtype)
@@ -88,7 +88,7 @@ def assert_no_dense_weight(fn, *args, shape):
 # ----------------------------------------------------------------------------------------
 # dot_general in every layout
 
-# (name, weight shape, a_ndim, x shape, function of (x, w))
+# (name, weight shape, split_at, x shape, function of (x, w))
 DOT_CASES = [
     ("x@W", (6, 5), 1, (4, 6), lambda x, w: x @ w),
     # (x @ W.T, contracting with b first, is checked by
@@ -140,11 +140,11 @@ def _with_dtypes(cases, bf16_names):
 
 
 @pytest.mark.parametrize(
-    "name, shape, a_ndim, x_shape, fn, dtype",
+    "name, shape, split_at, x_shape, fn, dtype",
     _with_dtypes(DOT_CASES, {"q-proj"}),
 )
-def test_dot_general_layouts(name, shape, a_ndim, x_shape, fn, dtype):
-    lora = make_lora(shape, a_ndim, dtype=dtype)
+def test_dot_general_layouts(name, shape, split_at, x_shape, fn, dtype):
+    lora = make_lora(shape, split_at, dtype=dtype)
     x = normal(x_shape, dtype)
     report = check_primitive(fn, "dot_general", x, lora)
     assert dict(report.checks) == {
@@ -210,7 +210,7 @@ def test_the_handler_contracts_x_with_the_matching_factor_first():
 # The handler is the same code for every spatial rank: one representative per factor
 # layout (Flax: `a` holds the spatial and input axes; Equinox: `b` does), one in bf16.
 CONV_CASES = [
-    # (name, x shape, kernel shape, a_ndim, dimension_numbers, dtype)
+    # (name, x shape, kernel shape, split_at, dimension_numbers, dtype)
     ("1d-flax-f32", (1, 6, 3), (3, 3, 4), 2, ("NWC", "WIO", "NWC"), jnp.float32),
     (
         "2d-equinox-bf16",
@@ -224,12 +224,12 @@ CONV_CASES = [
 
 
 @pytest.mark.parametrize(
-    "name, x_shape, k_shape, a_ndim, dn, dtype",
+    "name, x_shape, k_shape, split_at, dn, dtype",
     CONV_CASES,
     ids=[c[0] for c in CONV_CASES],
 )
-def test_convolutions(name, x_shape, k_shape, a_ndim, dn, dtype):
-    lora = make_lora(k_shape, a_ndim, rank=2, dtype=dtype)
+def test_convolutions(name, x_shape, k_shape, split_at, dn, dtype):
+    lora = make_lora(k_shape, split_at, rank=2, dtype=dtype)
     x = normal(x_shape, dtype)
     spatial = len(k_shape) - 2
 
@@ -251,7 +251,7 @@ def test_convolutions(name, x_shape, k_shape, a_ndim, dn, dtype):
     # One convolution with the base kernel, one with the rank-`r` factor.
     convs = [e for e in all_eqns(jaxpr.jaxpr) if e.primitive.name.startswith("conv")]
     kernels = sorted(tuple(e.invars[1].aval.shape) for e in convs)
-    factor = lora.a.shape if a_ndim == len(k_shape) - 1 else lora.b.shape
+    factor = lora.a.shape if split_at == len(k_shape) - 1 else lora.b.shape
     assert kernels == sorted([k_shape, factor])
 
 
@@ -325,10 +325,10 @@ STRUCTURAL = [
 
 
 @pytest.mark.parametrize(
-    "name, shape, a_ndim, fn", STRUCTURAL, ids=[c[0] for c in STRUCTURAL]
+    "name, shape, split_at, fn", STRUCTURAL, ids=[c[0] for c in STRUCTURAL]
 )
-def test_structural_ops_stay_implicit(name, shape, a_ndim, fn):
-    lora = make_lora(shape, a_ndim)
+def test_structural_ops_stay_implicit(name, shape, split_at, fn):
+    lora = make_lora(shape, split_at)
     with qax.materialization_policy(LoraWeight, "error"):
         out = qax.use_implicit_args(fn)(lora)
     assert isinstance(out, LoraWeight), type(out)
@@ -587,7 +587,7 @@ def test_loraify_equinox_module():
             eqx.nn.Linear(4 * 5 * 5, 7, key=keys[1]),
         ]
     )
-    lora = qax.lora.loraify(model, 2, key=keys[2], a_ndim=1)
+    lora = qax.lora.loraify(model, 2, key=keys[2], split_at=1)
     lora = jax.tree_util.tree_map(
         lambda x: (
             dataclasses.replace(x, b=x.b + 0.05) if isinstance(x, LoraWeight) else x
@@ -612,8 +612,8 @@ def test_loraify_filter_and_errors():
     )
     with pytest.raises(ValueError, match="rank must be a positive integer"):
         qax.lora.loraify(params, 0, key=jax.random.PRNGKey(0))
-    with pytest.raises(ValueError, match="a_ndim=2 .* 'a' of shape \\(4, 3\\)"):
-        qax.lora.loraify(params, 1, key=jax.random.PRNGKey(0), a_ndim=2)
+    with pytest.raises(ValueError, match="split_at=2 .* 'a' of shape \\(4, 3\\)"):
+        qax.lora.loraify(params, 1, key=jax.random.PRNGKey(0), split_at=2)
     # Already-LoRA weights are left alone.
     again = qax.lora.loraify(only_a, 1, key=jax.random.PRNGKey(0))
     assert again["a"] is only_a["a"]
