@@ -360,26 +360,36 @@ _CACHE_MISS = next(
     None,
 )
 _MAX_SIGNATURES = 16  # signatures restored per function
-# Per jitted function (weakly, as JAX's C++ cache holds it) and `jit` options: the call
-# signatures made at top level for it (key -> stand-in arguments).
+_MAX_REPEATS = 3  # misses of signatures made before, after which qax stops
+# Per jitted function (weakly, as JAX's C++ cache holds it) and `jit` options: what qax
+# made at top level for it (`_Made`).
 _made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # Guards `_made` (never held while JAX runs a call: a call may wait for another
 # thread's call of the same function to finish compiling).
 _made_lock = threading.Lock()
 
 
-class _TopLevelJit:
-    """A jitted function called from the eager trace: a C++ dispatcher sharing its C++
-    cache, and the call signatures made for it before."""
+class _Made:
+    """The call signatures qax made at top level for one `jit` (key -> stand-in
+    arguments), and how often one of them missed JAX's C++ cache again.
 
-    __slots__ = ("dispatch", "signatures")
+    A signature made at top level misses again when the `jit` object being called does
+    not share the C++ cache that qax's dispatcher reaches (after `jax.clear_caches()`,
+    `jit` objects made before keep a cache of their own), when JAX's cache evicted it,
+    or when calls alternate between JAX configurations (`jax.default_matmul_precision`,
+    ...; a stand-in call restores the entry of the current one): after `_MAX_REPEATS`
+    such misses, qax leaves the `jit` to JAX (`off`), as without this fast path.
+    """
 
-    def __init__(self, fun, info, signatures: collections.OrderedDict):
-        self.dispatch = _pjit._cpp_pjit(fun, info)
-        self.signatures = signatures
+    __slots__ = ("signatures", "repeats", "off")
+
+    def __init__(self):
+        self.signatures: collections.OrderedDict = collections.OrderedDict()
+        self.repeats = 0
+        self.off = False
 
     @staticmethod
-    def of(fun, info) -> _TopLevelJit | None:
+    def of(fun, info) -> _Made | None:
         """None if `fun` is not weakly referable (JAX's C++ cache of its `jit` is then
         private to that `jit` object, which qax cannot reach)."""
         options = _jit_options(info)
@@ -388,17 +398,27 @@ class _TopLevelJit:
                 per_options = _made.setdefault(fun, {})
             except TypeError:
                 return None
-            signatures = per_options.setdefault(options, collections.OrderedDict())
-        return _TopLevelJit(fun, info, signatures)
+            made = per_options.get(options)
+            if made is None:
+                made = per_options[options] = _Made()
+            return made
 
-    def restore(self, keep) -> None:
+    def missed(self, key) -> bool:
+        """Count a C++ miss of `key`; whether qax still makes calls of this `jit`."""
+        with _made_lock:
+            if key is not None and key in self.signatures:
+                self.repeats += 1
+                self.off = self.off or self.repeats > _MAX_REPEATS
+            return not self.off
+
+    def restore(self, dispatch, keep) -> None:
         """Make the C++ entries of the signatures made before again (but `keep`'s)."""
         with _made_lock:
             made = [item for item in self.signatures.items() if item[0] != keep]
         for key, stand_in in made:
             try:
                 args, kwargs = stand_in()
-                self.dispatch(*args, **kwargs)
+                dispatch(*args, **kwargs)
             except Exception:  # noqa: BLE001 (only a fast path is lost)
                 with _made_lock:
                     self.signatures.pop(key, None)
@@ -420,7 +440,8 @@ def run_jit_at_top_level(args_flat: list):
 
     None (bind as usual) unless the frames are those of a C++ `jit` call whose staged
     operands are `args_flat` and the call can be made again at top level: no effects
-    (a stand-in call must not print or call back), no NaN/Inf/key-reuse checks.
+    (a stand-in call must not print or call back), no NaN/Inf/key-reuse checks, and
+    qax has not left the `jit` to JAX (`_Made`).
     """
     if _RUN_PYTHON_JIT is None or _CACHE_MISS is None:
         return None
@@ -449,19 +470,23 @@ def run_jit_at_top_level(args_flat: list):
         return None
     fun, args, kwargs = staged["fun"], staged["args"], staged["kwargs"]
     del frame, caller, staged, bound
+    made = _Made.of(fun, info)
+    if made is None or made.off:
+        return None
+    signature = _stand_in_call(info, args, kwargs)
+    key = None if signature is None else signature[0]
+    if not made.missed(key):
+        return None
     with _core.take_current_trace():
         if not _core.trace_state_clean():
             return None
-        jit = _TopLevelJit.of(fun, info)
-        if jit is None:
-            return None
+        dispatch = _pjit._cpp_pjit(fun, info)  # shares the C++ cache of `fun`'s `jit`s
         # Drops the entry C++ is making for this call (it would stay "stage in
         # Python"), and the function's others: the calls below make them again.
-        jit.dispatch._clear_cache()
-        outs = jit.dispatch(*args, **kwargs)
-        signature = _stand_in_call(info, args, kwargs)
-        jit.restore(keep=None if signature is None else signature[0])
-        jit.remember(signature)
+        dispatch._clear_cache()
+        outs = dispatch(*args, **kwargs)
+        made.restore(dispatch, keep=key)
+        made.remember(signature)
     return p.out_tree.flatten_up_to(outs)
 
 
