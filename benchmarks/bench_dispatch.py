@@ -143,11 +143,12 @@ def _ready(f):
     return lambda: jax.block_until_ready(f())
 
 
-def _fresh_caches(fn, warmup: int = 3):
+def _warm_up(fn, warmup: int = 3):
     # Every call of a jitted function under a new trace adds an entry to JAX's C++ jit
-    # cache (keyed on the trace); see `drift_rows`. Start from empty caches, then warm
-    # up (qax compiles the `jit`s it sees a second time, see the README).
-    jax.clear_caches()
+    # cache (keyed on the trace); see `drift_rows`. The caches are not cleared first:
+    # after `jax.clear_caches()`, `jit` objects made before (every `jnp` function) no
+    # longer share their C++ cache with new ones, and qax leaves them to JAX's Python
+    # path inside eager calls (`qax._compat._Made`), which is not what a program sees.
     for _ in range(warmup):
         fn()
 
@@ -287,7 +288,7 @@ def drift_rows(calls: int) -> list[list[str]]:
 
     rows = []
     for name, fn in cases.items():
-        _fresh_caches(fn)
+        _warm_up(fn)
         first = per_call(fn, 200)
         per_call(fn, calls)
         later = per_call(fn, 200)
