@@ -346,19 +346,24 @@ def forget_export_serialization(nodetype: type, serialized_name: str) -> None:
 # replaces such a first call: it drops the function's entries (the one being made among
 # them), makes the call again with the eval trace current, which stores the compiled
 # call, and restores the function's other entries it made before by calling it with
-# stand-in arguments of their signatures.
+# stand-in arguments of their signatures. Where that cannot work (see `_Made`), the call
+# is left to JAX.
 
-_RUN_PYTHON_JIT = getattr(getattr(_pjit, "_run_python_pjit", None), "__code__", None)
-_CACHE_MISS = next(
-    (
-        code
-        for code in getattr(getattr(_pjit, "_cpp_pjit", None), "__code__", ()).co_consts
-        if isinstance(code, types.CodeType) and code.co_name == "cache_miss"
+
+def _inner_code(fn, name: str) -> types.CodeType | None:
+    """The code of the function `name` defined inside the function `fn`, if any."""
+    code = getattr(fn, "__code__", None)
+    consts = () if code is None else code.co_consts
+    return next(
+        (c for c in consts if isinstance(c, types.CodeType) and c.co_name == name), None
     )
-    if hasattr(_pjit, "_cpp_pjit")
-    else (),
-    None,
-)
+
+
+# The frames `run_jit_at_top_level` looks for (JAX 0.10: a C++ `jit` miss calls
+# `cache_miss`, which stages the call in `_run_python_pjit`). Other JAX versions: None,
+# and the fast path is off (`tests/test_eager.py` then fails, pointing here).
+_RUN_PYTHON_JIT = getattr(getattr(_pjit, "_run_python_pjit", None), "__code__", None)
+_CACHE_MISS = _inner_code(getattr(_pjit, "_cpp_pjit", None), "cache_miss")
 _MAX_SIGNATURES = 16  # signatures restored per function
 _MAX_REPEATS = 3  # misses of signatures made before, after which qax stops
 # Per jitted function (weakly, as JAX's C++ cache holds it) and `jit` options: what qax
