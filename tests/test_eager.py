@@ -281,6 +281,7 @@ class _StagedCalls:
                 self.plain.append(getattr(fun, "__name__", repr(fun)))
 
     def __enter__(self):
+        assert _compat._RUN_PYTHON_JIT is not None, "JAX's staging function moved"
         self.counts.clear()
         self.plain.clear()
         sys.setprofile(self._profile)
