@@ -6,7 +6,6 @@ upgrade is a change to this file alone. Written against JAX 0.10.x.
 
 from __future__ import annotations
 
-import collections
 import sys
 import threading
 import types
@@ -364,7 +363,7 @@ def _inner_code(fn, name: str) -> types.CodeType | None:
 # and the fast path is off (`tests/test_eager.py` then fails, pointing here).
 _RUN_PYTHON_JIT = getattr(getattr(_pjit, "_run_python_pjit", None), "__code__", None)
 _CACHE_MISS = _inner_code(getattr(_pjit, "_cpp_pjit", None), "cache_miss")
-_MAX_SIGNATURES = 16  # signatures restored per function
+_MAX_SIGNATURES = 16  # signatures made per function, at most
 _MAX_REPEATS = 3  # misses of signatures made before, after which qax stops
 # Per jitted function (weakly, as JAX's C++ cache holds it) and `jit` options: what qax
 # made at top level for it (`_Made`).
@@ -376,7 +375,7 @@ _made_lock = threading.Lock()
 
 class _Made:
     """The call signatures qax made at top level for one `jit` (key -> stand-in
-    arguments), and how often one of them missed JAX's C++ cache again.
+    arguments), and how often one missed JAX's C++ cache again.
 
     A signature made at top level misses again when the `jit` object being called does
     not share the C++ cache that qax's dispatcher reaches (after `jax.clear_caches()`,
@@ -389,7 +388,7 @@ class _Made:
     __slots__ = ("signatures", "repeats", "off")
 
     def __init__(self):
-        self.signatures: collections.OrderedDict = collections.OrderedDict()
+        self.signatures: dict = {}
         self.repeats = 0
         self.off = False
 
@@ -409,11 +408,20 @@ class _Made:
             return made
 
     def missed(self, key) -> bool:
-        """Count a C++ miss of `key`; whether qax still makes calls of this `jit`."""
+        """Count a C++ miss of `key`; whether qax still makes calls of this `jit`.
+
+        A signature without stand-ins (`key` None) counts as a repeat: its entry is not
+        restored when another signature's first call drops the function's entries. A
+        `jit` called with more than `_MAX_SIGNATURES` signatures is left to JAX: their
+        entries could not all be restored, and would drop each other for good.
+        """
         with _made_lock:
-            if key is not None and key in self.signatures:
+            new = key is not None and key not in self.signatures
+            if not new:
                 self.repeats += 1
-                self.off = self.off or self.repeats > _MAX_REPEATS
+            if new and len(self.signatures) >= _MAX_SIGNATURES:
+                self.off = True
+            self.off = self.off or self.repeats > _MAX_REPEATS
             return not self.off
 
     def restore(self, dispatch, keep) -> None:
@@ -429,14 +437,10 @@ class _Made:
                     self.signatures.pop(key, None)
 
     def remember(self, signature) -> None:
-        if signature is None:
-            return
-        key, stand_in = signature
-        with _made_lock:
-            self.signatures[key] = stand_in
-            self.signatures.move_to_end(key)
-            if len(self.signatures) > _MAX_SIGNATURES:
-                self.signatures.popitem(last=False)
+        if signature is not None:
+            key, stand_in = signature
+            with _made_lock:
+                self.signatures[key] = stand_in
 
 
 def run_jit_at_top_level(args_flat: list):

@@ -517,3 +517,22 @@ def test_jits_made_before_clear_caches_are_left_to_jax():
             assert_close(f(Zeros(shape=(3, 4)), X, y, after), 5.0 * X + 1.0)
         assert staged.of(before) == 1
         assert staged.of(after) == 0
+
+
+def test_jits_with_many_signatures_are_left_to_jax():
+    """Past `_MAX_SIGNATURES` signatures of one `jit` (a growing shape, say), qax leaves
+    it to JAX: results stay right and each call is staged once, not more."""
+    g = _fresh_jit(3.0)
+    f = qax.use_implicit_args(lambda z, x: g(x, x) + z)
+    sizes = range(1, _compat._MAX_SIGNATURES + 3)
+    with jax.check_tracer_leaks(False):
+        for n in sizes:
+            x = jnp.arange(float(n))
+            assert_close(f(Zeros(shape=(n,)), x), 4.0 * x)
+        (made,) = _compat._made[g.__wrapped__].values()
+        assert made.off
+        with _StagedCalls() as staged:
+            for n in sizes:
+                x = jnp.arange(float(n))
+                assert_close(f(Zeros(shape=(n,)), x), 4.0 * x)
+        assert staged.of(g) <= len(sizes)
