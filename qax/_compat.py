@@ -382,7 +382,9 @@ class _Made:
     `jit` objects made before keep a cache of their own), when JAX's cache evicted it,
     or when calls alternate between JAX configurations (`jax.default_matmul_precision`,
     ...; a stand-in call restores the entry of the current one): after `_MAX_REPEATS`
-    such misses, qax leaves the `jit` to JAX (`off`), as without this fast path.
+    such misses, qax leaves the `jit` to JAX (`off`), as without this fast path (a
+    signature first called under the eager trace then stays "stage in Python" at top
+    level too).
     """
 
     __slots__ = ("signatures", "repeats", "off")
