@@ -585,6 +585,9 @@ def eager_jit(params: dict) -> Callable | None:
     path. A jaxpr seen for the first time keeps the ordinary path (None): some are
     staged for one call only, which is not worth compiling again. So do parameters
     other than the defaults (shardings, donation, layouts, a mesh, compiler options).
+    The thread's shared eager trace first tries `run_jit_at_top_level`, after which
+    JAX's C++ path skips the staging too; this is what remains when that does not apply
+    (effects, NaN checks, a `jit` left to JAX, a trace of its own).
     """
     closed = params["jaxpr"]
     key = id(closed)
