@@ -162,8 +162,8 @@ def bind_canonical(trace: Trace, primitive: Primitive, args, params):
 def bind_with_trace(trace: Trace, primitive: Primitive, args, params):
     """Bind `primitive` on `trace`, canonicalizing non-tracer `args` as `bind` does.
 
-    (NumPy arrays reach here as leaves of implicit arrays built inside handlers, e.g.
-    their zero-size shape witness; staging traces reject non-canonical constants.)
+    (NumPy arrays reach here as leaves of implicit arrays built inside handlers;
+    staging traces reject non-canonical constants.)
     """
     args = [a if isinstance(a, Tracer) else _dtypes.canonicalize_value(a) for a in args]
     return primitive.bind_with_trace(trace, args, tuple(map(typeof, args)), params)

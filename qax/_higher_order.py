@@ -297,13 +297,14 @@ def _per_leaf(values: Sequence, per_value: Sequence, expand: Callable) -> tuple:
     return tuple(out)
 
 
-def _const(default: Any) -> Callable:
-    return lambda _p, v: [default] * len(jax.tree_util.tree_leaves(v))
-
-
 def _same_for_all(p: Any, v: Any) -> list:
     """`p` for every leaf of `v`."""
     return [p] * len(jax.tree_util.tree_leaves(v))
+
+
+def _const(default: Any) -> Callable:
+    """`default` for every leaf of a value, whatever its parameter."""
+    return lambda _p, v: _same_for_all(default, v)
 
 
 _UNDECLARED_SHARDING = (
@@ -1435,8 +1436,7 @@ def _has_data(leaf: Any) -> bool:
 def _leafwise_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> Any:
     """Apply an annotating primitive to the leaves of the implicit operands.
 
-    Leaves without data (the zero-size witness of an implicit array's shape) are
-    passed through unchanged.
+    Leaves without data (zero-size arrays) are passed through unchanged.
     """
     if primitive in _SINGLE:
         (value,) = vals

@@ -190,7 +190,7 @@ def freeze_keys(
     (a frozen 4096x4096 LoRA base weight costs no Adam moments) and `optimizer`, with its
     weight decay, never sees them. Leaves that cannot be trained by gradients are
     frozen too: integer and boolean leaves (their gradients are ``float0``) and empty
-    ones, such as the zero-size leaf that carries an implicit array's shape.
+    (zero-size) ones.
 
     Works on any pytree of parameters, including an `eqx.Module`. For gradient
     accumulation pass ``optax.MultiSteps(opt, k)`` as `optimizer` (see
