@@ -7,20 +7,15 @@ upgrade is a change to this file alone. Written against JAX 0.10.x.
 from __future__ import annotations
 
 import sys
-import threading
-import types
-import weakref
 from collections.abc import Callable
 
 import jax
 import jax.extend.core as jex_core
-import numpy as np
 from jax._src import ad_util as _ad_util
 from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import dtypes as _dtypes
 from jax._src import linear_util as _lu
-from jax._src import pjit as _pjit
 from jax._src import source_info_util as _source_info
 from jax._src import traceback_util as _traceback_util
 from jax._src.array import ArrayImpl as ArrayImpl
@@ -28,12 +23,19 @@ from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import mlir as _mlir
 from jax._src.interpreters import partial_eval as _pe
-from jax._src.lax import lax as _lax_internal
 from jax._src.lax.control_flow.common import _merge_common_consts
 from jax._src.shard_map import shard_map_p as shard_map_p
 from jax._src.sharding_impls import UNSPECIFIED as UNSPECIFIED
-from jax._src.tree_util import FlatTree as FlatTree
 from jax.sharding import NamedSharding as _NamedSharding
+
+try:  # JAX >= 0.11
+    from jax._src import flattree as _flattree
+
+    flatten_ft = _flattree.flatten
+except ImportError:  # JAX 0.10
+    from jax._src.tree_util import FlatTree as _FlatTree
+
+    flatten_ft = _FlatTree.flatten
 from jax.sharding import PartitionSpec as _P
 
 Trace = _core.Trace
@@ -82,9 +84,10 @@ def varying_aval(shape, dtype, reference, axes: frozenset) -> ShapedArray:
     (A bare `ShapedArray` has no mesh, so it cannot vary over mesh axes.)
     """
     manual = reference.manual_axis_type
-    new = type(manual)(
-        varying=frozenset(axes), unreduced=manual.unreduced, reduced=manual.reduced
-    )
+    kept = {"unreduced": manual.unreduced, "reduced": manual.reduced}
+    if hasattr(manual, "unreduced_kind"):  # JAX >= 0.11
+        kept["unreduced_kind"] = manual.unreduced_kind
+    new = type(manual)(varying=frozenset(axes), **kept)
     sharding = _NamedSharding(reference.sharding.mesh, _P())
     return reference.update(
         shape=shape,
@@ -107,22 +110,6 @@ def current_trace() -> Trace:
 
 def is_eval_trace(trace: Trace) -> bool:
     return isinstance(trace, EvalTrace)
-
-
-def share_jit_key(trace: Trace, parent: Trace) -> None:
-    """Make `trace`, while current, key JAX's `jit` caches as `parent` does.
-
-    JAX puts a weak reference to the current trace into the key of every `jit` cache
-    (C++ dispatch, traced jaxprs): under any other trace than the eval trace, a call of
-    a jitted function (every `jnp` function) misses the C++ fast path and is staged in
-    Python. A trace that binds everything without an implicit operand to `parent`
-    unchanged can take `parent`'s identity there: calls on plain arrays then hit what
-    `parent` compiled. Calls with one of `trace`'s tracers as operand still miss (the
-    fast path takes arrays only) and reach `trace`. A first call under `trace` must be
-    made at top level instead (`run_jit_at_top_level`), or it marks the shared entry
-    "stage in Python" for top-level calls too.
-    """
-    trace._weakref = parent._weakref
 
 
 _STAGING_TRACES = (_pe.DynamicJaxprTrace, _pe.JaxprTrace)
@@ -216,17 +203,32 @@ def traced_source_line(skip: Callable[[str], bool]) -> str | None:
     evaluates now, if any.
 
     In a backward pass that is the traceback of the forward operation being transposed.
+    The operations of a `jnp` function are recorded with tracebacks that end in the
+    function (JAX > 0.10): then the equations that the enclosing backward passes are
+    transposing (found in their frames) are tried, innermost first.
     """
-    traceback = _source_info.current().traceback
-    if traceback is None:
-        return None
-    codes, lastis = traceback.raw_frames()
-    for code, lasti in zip(codes, lastis, strict=False):
-        name = code.co_filename
-        if _source_info.is_user_filename(name) and not skip(name):
-            frame = _source_info.raw_frame_to_frame(code, lasti)
-            return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+    for traceback in _tracebacks_now():
+        codes, lastis = traceback.raw_frames()
+        for code, lasti in zip(codes, lastis, strict=False):
+            name = code.co_filename
+            if _source_info.is_user_filename(name) and not skip(name):
+                frame = _source_info.raw_frame_to_frame(code, lasti)
+                return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
     return None
+
+
+def _tracebacks_now():
+    traceback = _source_info.current().traceback
+    if traceback is not None:
+        yield traceback
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code in _BACKWARD_PASS_CODE:
+            source_info = getattr(frame.f_locals.get("eqn"), "source_info", None)
+            traceback = getattr(source_info, "traceback", None)
+            if traceback is not None:
+                yield traceback
+        frame = frame.f_back
 
 
 def forget_arg_names(debug_info: DebugInfo | None) -> DebugInfo | None:
@@ -297,8 +299,30 @@ def register_vmappable(cls: type, to_elt, from_elt) -> None:
 # The modules of `jax.numpy` that ask an argument for `__jax_array__`: its array-like check
 # (every `jnp` function) and its array constructors (`jnp.asarray`, `jnp.array`). JAX's
 # binary operators ask too, but must not get an answer (see `qax/_outside.py`).
-JNP_ARRAYLIKE_CHECK = "jax._src.numpy.util"
-JNP_CONSTRUCTORS = "jax._src.numpy.array_constructors"
+_JNP_ARRAYLIKE_CHECK = "jax._src.numpy.util"
+_JNP_CONSTRUCTORS = "jax._src.numpy.array_constructors"
+
+
+def jax_array_asker(depth: int) -> tuple[str | None, str | None]:
+    """Which part of JAX reads `__jax_array__` from the frame `depth` levels above the
+    caller: ``("constructor", None)`` for `jnp.asarray`/`jnp.array`, ``("check", name)``
+    for the array-like check of the `jnp` function `name` (None if not found), else
+    ``(None, None)``: JAX's binary operators, or a JAX that moved these modules.
+    """
+    frame = sys._getframe(depth + 1)
+    module = frame.f_globals.get("__name__")
+    if module == _JNP_CONSTRUCTORS:
+        return "constructor", None
+    if module != _JNP_ARRAYLIKE_CHECK:
+        return None, None
+    for _ in range(4):  # the `fun_name` that the check was given, e.g. "sin"
+        if frame is None:
+            break
+        name = frame.f_locals.get("fun_name")
+        if isinstance(name, str):
+            return "check", name
+        frame = frame.f_back
+    return "check", None
 
 
 # -- tracebacks -------------------------------------------------------------------------
@@ -333,253 +357,77 @@ def forget_export_serialization(nodetype: type, serialized_name: str) -> None:
     _export.serialization_registry.pop(nodetype, None)
 
 
-# -- eager `jit` calls on plain arrays (the eager `ImplicitTrace`) ------------------------
-#
-# JAX's C++ `jit` dispatch keeps, per jitted function and call signature (argument types,
-# shardings, and the `jit` key of the current trace), either a compiled call or a mark
-# "stage in Python". It makes the entry on the first call, and a call made under any
-# trace but the eval trace marks it "stage in Python" for good. The eager `ImplicitTrace`
-# shares the eval trace's key (`share_jit_key`), so that calls on plain arrays under it
-# reuse what top-level calls compiled; a first call under it would then mark the
-# top-level entry too (about 10x slower plain JAX afterwards). `run_jit_at_top_level`
-# replaces such a first call: it drops the function's entries (the one being made among
-# them), makes the call again with the eval trace current, which stores the compiled
-# call, and restores the function's other entries it made before by calling it with
-# stand-in arguments of their signatures. Where that cannot work (see `_Made`), the call
-# is left to JAX.
+# -- parameter layouts of primitives whose rules rebind them ------------------------------
+
+_INLINE = getattr(jax, "Inline", None)  # JAX >= 0.11: `jit(inline=...)` is an enum
+_INLINED = (True,) if _INLINE is None else (True, _INLINE.JAX_EARLY, _INLINE.JAX_LATE)
 
 
-def _inner_code(fn, name: str) -> types.CodeType | None:
-    """The code of the function `name` defined inside the function `fn`, if any."""
-    code = getattr(fn, "__code__", None)
-    consts = () if code is None else code.co_consts
-    return next(
-        (c for c in consts if isinstance(c, types.CodeType) and c.co_name == name), None
-    )
+def is_inline_jit(params: dict) -> bool:
+    """Whether a `jit` bind is of a function jitted with ``inline=True`` (every `jnp`
+    function), which JAX inlines into an enclosing program.
 
-
-# The frames `run_jit_at_top_level` looks for (JAX 0.10: a C++ `jit` miss calls
-# `cache_miss`, which stages the call in `_run_python_pjit`). Other JAX versions: None,
-# and the fast path is off (`tests/test_eager.py` then fails, pointing here).
-_RUN_PYTHON_JIT = getattr(getattr(_pjit, "_run_python_pjit", None), "__code__", None)
-_CACHE_MISS = _inner_code(getattr(_pjit, "_cpp_pjit", None), "cache_miss")
-_MAX_SIGNATURES = 16  # signatures made per function, at most
-_MAX_REPEATS = 3  # misses of signatures made before, after which qax stops
-# Per jitted function (weakly, as JAX's C++ cache holds it) and `jit` options: what qax
-# made at top level for it (`_Made`).
-_made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# Guards `_made` (never held while JAX runs a call: a call may wait for another
-# thread's call of the same function to finish compiling).
-_made_lock = threading.Lock()
-
-
-class _Made:
-    """The call signatures qax made at top level for one `jit` (key -> stand-in
-    arguments), and how often one missed JAX's C++ cache again.
-
-    A signature made at top level misses again when the `jit` object being called does
-    not share the C++ cache that qax's dispatcher reaches (after `jax.clear_caches()`,
-    `jit` objects made before keep a cache of their own), when JAX's cache evicted it,
-    or when calls alternate between JAX configurations (`jax.default_matmul_precision`,
-    ...; a stand-in call restores the entry of the current one): after `_MAX_REPEATS`
-    such misses, qax leaves the `jit` to JAX (`off`), as without this fast path (a
-    signature first called under the eager trace then stays "stage in Python" at top
-    level too).
+    JAX 0.10 keeps the flag as a bool; later versions as `jax.Inline`, whose members
+    are all truthy.
     """
-
-    __slots__ = ("signatures", "repeats", "off")
-
-    def __init__(self):
-        self.signatures: dict = {}
-        self.repeats = 0
-        self.off = False
-
-    @staticmethod
-    def of(fun, info) -> _Made | None:
-        """None if `fun` is not weakly referable (JAX's C++ cache of its `jit` is then
-        private to that `jit` object, which qax cannot reach)."""
-        options = _jit_options(info)
-        with _made_lock:
-            try:
-                per_options = _made.setdefault(fun, {})
-            except TypeError:
-                return None
-            made = per_options.get(options)
-            if made is None:
-                made = per_options[options] = _Made()
-            return made
-
-    def missed(self, key) -> bool:
-        """Count a C++ miss of `key`; whether qax still makes calls of this `jit`.
-
-        A signature without stand-ins (`key` None) counts as a repeat: its entry is not
-        restored when another signature's first call drops the function's entries. A
-        `jit` called with more than `_MAX_SIGNATURES` signatures is left to JAX: their
-        entries could not all be restored, and would drop each other for good.
-        """
-        with _made_lock:
-            new = key is not None and key not in self.signatures
-            if not new:
-                self.repeats += 1
-            if new and len(self.signatures) >= _MAX_SIGNATURES:
-                self.off = True
-            self.off = self.off or self.repeats > _MAX_REPEATS
-            return not self.off
-
-    def restore(self, dispatch, keep) -> None:
-        """Make the C++ entries of the signatures made before again (but `keep`'s)."""
-        with _made_lock:
-            made = [item for item in self.signatures.items() if item[0] != keep]
-        for key, stand_in in made:
-            try:
-                args, kwargs = stand_in()
-                dispatch(*args, **kwargs)
-            except Exception:  # noqa: BLE001 (only a fast path is lost)
-                with _made_lock:
-                    self.signatures.pop(key, None)
-
-    def remember(self, signature) -> None:
-        if signature is not None:
-            key, stand_in = signature
-            with _made_lock:
-                self.signatures[key] = stand_in
+    return params.get("inline", False) in _INLINED
 
 
-def run_jit_at_top_level(args_flat: list):
-    """Make the `jit` call whose bind reached the current trace with `args_flat` at top
-    level, storing it in JAX's C++ dispatch cache; its flat outputs, or None.
+def jit_params_are_default(params: dict) -> bool:
+    """Whether a `jit` bind asks for nothing that a plain `jax.jit` of its jaxpr would
+    lose: no effects, shardings, layouts, donation, mesh or compiler options."""
+    closed = params["jaxpr"]
+    return (
+        not closed.effects  # ordered effects, refs: JAX's own path
+        and not getattr(closed.jaxpr, "is_high", False)
+        and all(s is UNSPECIFIED for s in params["in_shardings"])
+        and all(s is UNSPECIFIED for s in params["out_shardings"])
+        and all(layout is None for layout in params["in_layouts"])
+        and all(layout is None for layout in params["out_layouts"])
+        and not any(params["donated_invars"])
+        and params["ctx_mesh"].empty
+        and not params["compiler_options_kvs"]
+    )
 
-    None (bind as usual) unless the frames are those of a C++ `jit` call whose staged
-    operands are `args_flat` and the call can be made again at top level: no effects
-    (a stand-in call must not print or call back), no NaN/Inf/key-reuse checks, and
-    qax has not left the `jit` to JAX (`_Made`).
+
+def scan_operand_counts(params: dict) -> tuple[int, int]:
+    """The numbers of constants and carries among the operands of a `scan` bind.
+
+    JAX 0.10 keeps them as `num_consts`/`num_carry`; later versions as a `FlatTree`
+    `ft_in` of (constants, carries, xs).
     """
-    if _RUN_PYTHON_JIT is None or _CACHE_MISS is None:
-        return None
-    # run_jit_at_top_level <- process_primitive <- bind_with_trace <- bind
-    # <- _run_python_pjit <- cache_miss
-    frame = sys._getframe(4)
-    if frame.f_code is not _RUN_PYTHON_JIT:
-        return None
-    caller = frame.f_back
-    if caller is None or caller.f_code is not _CACHE_MISS:
-        return None
-    staged = frame.f_locals
-    bound, p = staged.get("args_flat"), staged.get("p")
-    if bound is None or p is None or len(bound) != len(args_flat):
-        return None
-    for staged_arg, arg in zip(bound, args_flat, strict=True):
-        # (`bind` turns Python scalars and NumPy values into new objects)
-        if staged_arg is not arg and isinstance(staged_arg, ArrayImpl | Tracer):
-            return None
-    info = caller.f_locals.get("jit_info")
-    if info is None or p.params["jaxpr"].effects:
-        return None
-    if _config.debug_nans.value or _config.debug_infs.value:
-        return None
-    if _config.debug_key_reuse.value:
-        return None
-    fun, args, kwargs = staged["fun"], staged["args"], staged["kwargs"]
-    del frame, caller, staged, bound
-    made = _Made.of(fun, info)
-    if made is None or made.off:
-        return None
-    signature = _stand_in_call(info, args, kwargs)
-    key = None if signature is None else signature[0]
-    if not made.missed(key):
-        return None
-    with _core.take_current_trace():
-        if not _core.trace_state_clean():
-            return None
-        dispatch = _pjit._cpp_pjit(fun, info)  # shares the C++ cache of `fun`'s `jit`s
-        # Drops the entry C++ is making for this call (it would stay "stage in
-        # Python"), and the function's others: the calls below make them again.
-        dispatch._clear_cache()
-        outs = dispatch(*args, **kwargs)
-        made.restore(dispatch, keep=key)
-        made.remember(signature)
-    return p.out_tree.flatten_up_to(outs)
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
 
 
-def _jit_options(info) -> tuple:
-    """The options of a `jit` (JAX's `PjitInfo`) that key its C++ cache, with the function
-    (some `jnp` functions, such as `jnp.einsum`, make a new `jit` of one function on every
-    call: their signatures share one C++ cache)."""
-    key = tuple(
-        getattr(info, name) for name in info._fields if name not in _UNKEYED_INFO
-    )
-    try:
-        hash(key)
-    except TypeError:  # (JAX's `PjitInfo` itself hashes by identity)
-        return (info,)
-    return key
+# JAX > 0.11: a `custom_vjp` backward rule, flattened, returns its cotangents and the
+# logs of `defvjp_with_logs` as a pair.
+BWD_RETURNS_LOGS = hasattr(jax.custom_vjp, "defvjp_with_logs")
 
 
-# Fields of JAX's `PjitInfo` that describe the function rather than key its cache.
-_UNKEYED_INFO = frozenset({"fun_sourceinfo", "fun_signature"})
-_SCALARS = (bool, int, float, complex)
+def split_bwd_result(result) -> tuple:
+    """`(cotangents, logs)` of what a flattened `custom_vjp` backward rule returned."""
+    if BWD_RETURNS_LOGS:
+        cts, logs = result
+        return cts, logs
+    return result, None
 
 
-def _leaf_kind(x):
-    """What the C++ signature of a call records of an argument leaf `x` (None: a kind
-    of leaf no stand-in is made for)."""
-    if type(x) is ArrayImpl:
-        if _dtypes.issubdtype(x.dtype, _dtypes.extended):
-            return None
-        return ("array", x.shape, x.dtype, x.weak_type, x.sharding, x._committed)
-    if type(x) in _SCALARS:
-        return ("scalar", type(x))
-    if isinstance(x, np.generic | np.ndarray):
-        return ("numpy", type(x), np.shape(x), x.dtype)
-    return None
+def join_bwd_result(cts: list, logs):
+    """What a flattened `custom_vjp` backward rule returns, given its parts."""
+    return (cts, logs) if BWD_RETURNS_LOGS else cts
 
 
-def _zeros_of_kind(kind, x):
-    """A leaf of `kind` holding zeros (`x`, when it is a Python scalar)."""
-    if kind[0] == "scalar":
-        return x
-    if kind[0] == "numpy":
-        _, cls, shape, dtype = kind
-        return dtype.type(0) if issubclass(cls, np.generic) else np.zeros(shape, dtype)
-    _, shape, dtype, weak_type, sharding, committed = kind
-    zero = _lax_internal._convert_element_type(
-        np.zeros((), dtype), dtype, weak_type=weak_type
-    )
-    zeros = _lax_internal.broadcast(zero, shape)
-    return jax.device_put(zeros, sharding) if committed else zeros
-
-
-def _stand_in_call(info, args, kwargs):
-    """`(key, stand_in)` for a call of the `jit` with `info`: a hashable key of the
-    call's C++ signature and a function giving `(args, kwargs)` of that signature
-    holding zeros. None if some argument is of a kind no stand-in is made for."""
-    static, names = info.static_argnums, info.static_argnames
-    dynamic = (
-        [a for i, a in enumerate(args) if i not in static],
-        {k: v for k, v in kwargs.items() if k not in names},
-    )
-    static_args = {i: a for i, a in enumerate(args) if i in static}
-    static_kwargs = {k: v for k, v in kwargs.items() if k in names}
-    leaves, treedef = jax.tree_util.tree_flatten(dynamic)
-    kinds = tuple(map(_leaf_kind, leaves))
-    if any(kind is None for kind in kinds):
-        return None
-    key = (len(args), tuple(static_args.items()), tuple(sorted(static_kwargs.items())))
-    key = (*key, treedef, kinds)
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    scalars = [x if kind[0] == "scalar" else None for x, kind in zip(leaves, kinds)]
-    count = len(args)  # (the stand-in keeps no argument array alive)
-
-    def stand_in():
-        values = [_zeros_of_kind(k, x) for k, x in zip(kinds, scalars, strict=True)]
-        dyn_args, dyn_kwargs = jax.tree_util.tree_unflatten(treedef, values)
-        dyn_args = iter(dyn_args)
-        full = [
-            static_args[i] if i in static_args else next(dyn_args) for i in range(count)
-        ]
-        return full, {**static_kwargs, **dyn_kwargs}
-
-    return key, stand_in
+# JAX > 0.11 removed the call primitives: `call_p` and `closed_call_p` are aliases of
+# `eval_jaxpr_p`, an ordinary primitive with a `call_jaxpr` parameter (`CALL_JAXPR_P`);
+# before, they are call primitives handed a function (`CALL_PRIMITIVES`).
+CALL_JAXPR_P = getattr(_core, "eval_jaxpr_p", None)
+CALL_PRIMITIVES = tuple(
+    {
+        p
+        for p in (jex_core.primitives.call_p, jex_core.primitives.closed_call_p)
+        if p is not CALL_JAXPR_P
+    }
+)

@@ -24,7 +24,7 @@ ArrayValue = Union[jax.Array, ImplicitBase]  # noqa: UP007 (plum needs a typing.
 """Annotation for "a JAX array or an implicit array" in handler signatures."""
 
 # Names that are not `jax.lax.<name>_p` but that users (and the original Qax) use.
-_ALIASES = {"pjit": "jit", "remat": "remat2", "checkpoint": "remat2"}
+_ALIASES = {"pjit": "jit", "checkpoint": "remat"}
 # `jnp` operations whose primitive has another name: what "did you mean" suggests first.
 _HINTS = {
     "matmul": "dot_general",
@@ -49,10 +49,21 @@ _cache: dict[tuple, Callable | None] = {}
 generation = [0]
 
 
+def _known_primitives() -> dict[str, Primitive]:
+    """The primitives of `jax.lax` and `jax.extend.core.primitives`, by the name of their
+    attribute (``add`` for `add_p`) and by their own name (``remat2`` for `remat_p`)."""
+    found: dict[str, Primitive] = {}
+    for namespace in (jax.lax, primitives_module):
+        for attr in dir(namespace):
+            value = getattr(namespace, attr, None)
+            if attr.endswith("_p") and isinstance(value, Primitive):
+                found.setdefault(attr[:-2], value)
+                found.setdefault(value.name, value)
+    return found
+
+
 def _all_primitive_names() -> list[str]:
-    names = {n[:-2] for n in dir(jax.lax) if n.endswith("_p")}
-    names |= {n[:-2] for n in dir(primitives_module) if n.endswith("_p")}
-    return sorted(names | set(_ALIASES))
+    return sorted(set(_known_primitives()) | set(_ALIASES))
 
 
 def resolve_primitive(primitive: str | Primitive) -> Primitive:
@@ -69,6 +80,9 @@ def resolve_primitive(primitive: str | Primitive) -> Primitive:
         found = getattr(namespace, f"{name}_p", None)
         if isinstance(found, Primitive):
             return found
+    found = _known_primitives().get(name)
+    if found is not None:
+        return found
     close = difflib.get_close_matches(primitive, _all_primitive_names(), n=3)
     hint = _HINTS.get(primitive)
     if hint is not None:
@@ -105,8 +119,10 @@ def primitive_handler(
     ...     return Zeros(shape=jnp.broadcast_shapes(a.shape, b.shape), dtype=a.dtype)
 
     Args:
-      primitives: a primitive name (looked up as ``jax.lax.<name>_p``), a `Primitive`, or
-        a list of either.
+      primitives: a primitive name (looked up as ``jax.lax.<name>_p``, then
+        ``jax.extend.core.primitives.<name>_p``, then by the primitive's own name, as in
+        ``"remat2"``; ``"pjit"`` and ``"checkpoint"`` name `jit` and `checkpoint`), a
+        `Primitive`, or a list of either.
       precedence: breaks ties between equally specific handlers (higher wins).
 
     Returns:

@@ -46,10 +46,11 @@ from ._batching import (
     undeclared_reason,
 )
 from ._compat import (
+    CALL_JAXPR_P,
+    CALL_PRIMITIVES,
     UNSPECIFIED,
     ArrayImpl,
     ClosedJaxpr,
-    FlatTree,
     SymbolicZero,
     Tracer,
     Zero,
@@ -58,7 +59,11 @@ from ._compat import (
     convert_constvars_jaxpr,
     current_trace,
     eval_jaxpr,
+    flatten_ft,
     forget_arg_names,
+    is_inline_jit,
+    jaxpr_as_fun,
+    join_bwd_result,
     known_constant,
     make_debug_info,
     mapped_aval,
@@ -67,9 +72,11 @@ from ._compat import (
     merge_common_consts,
     primitives_module,
     pvary_p,
+    scan_operand_counts,
     separate_consts,
     set_current_trace,
     shard_map_p,
+    split_bwd_result,
     trace_to_jaxpr_dynamic,
     transformation2,
     typeof,
@@ -361,7 +368,7 @@ def _jit_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list
     `jnp` wrapper are baked into the body, where a traced program sees them as literals.
     """
     closed = params["jaxpr"]
-    inline = params.get("inline", False)
+    inline = is_inline_jit(params)
     baked = _scalar_literals(vals) if inline else {}
     dynamic = [v for i, v in enumerate(vals) if i not in baked]
     # Bytes, not values: 0.0 and -0.0 are equal but fold differently.
@@ -386,7 +393,8 @@ def _jit_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list
     if inline and trace.eager and not fresh:
         # Compiled on the second call of a signature: some `jnp` functions (`einsum`)
         # stage a new jaxpr per call, for which JAX's own path is cheaper.
-        outs = entry.call(flat_dynamic)
+        with set_current_trace(trace.parent_trace):  # top level
+            outs = entry.call(flat_dynamic)
         return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 
     out_vals = traced.out_skeleton()
@@ -603,6 +611,8 @@ class _LoopPlan:
     weak_body: frozenset = frozenset()
     described: dict = dataclasses.field(default_factory=dict)
     traced: TracedBody | None = None
+    # Eagerly: the loop compiled, per loop options (see `_run_on_parent`).
+    compiled: dict = dataclasses.field(default_factory=dict)
 
 
 def _strengthen(leaves: list, which: frozenset) -> list:
@@ -789,12 +799,31 @@ def _stackable_ys(n_carry: int, loop: str) -> Callable[[list], list]:
     return fix
 
 
+def _split_at(seq: Sequence, ends: tuple) -> list:
+    """`seq` cut before each index of `ends`."""
+    starts = (0, *ends)
+    return [seq[a:b] for a, b in zip(starts, (*ends, len(seq)), strict=True)]
+
+
+def _run_on_parent(trace, plan, key, run: Callable, operands: list) -> list:
+    """`run(*operands)` (a function that calls `lax.scan`, `lax.while_loop`, ...) on the
+    parent trace.
+
+    Eagerly, a `jax.jit` of `run` kept in `plan.compiled` under `key` (when `plan` is
+    given) runs it: the loop is compiled once, not on every call.
+    """
+    with set_current_trace(trace.parent_trace):
+        if plan is None or not trace.eager:
+            return run(*operands)
+        compiled = plan.compiled.get(key)
+        if compiled is None:
+            compiled = plan.compiled[key] = jax.jit(run)
+        return compiled(*operands)
+
+
 def _scan_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list:
-    n_consts, n_carry, length = (
-        params["num_consts"],
-        params["num_carry"],
-        params["length"],
-    )
+    n_consts, n_carry = scan_operand_counts(params)
+    length = params["length"]
     consts = vals[:n_consts]
     init = vals[n_consts : n_consts + n_carry]
     xs = [_scannable(trace, x) for x in vals[n_consts + n_carry :]]
@@ -819,15 +848,26 @@ def _scan_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> lis
         _stackable_ys(n_carry, "lax.scan"),
     )
     jaxpr, hoisted = _hoisted(plan.traced)
-    flat_consts, flat_carry = _leaves(consts), _leaves(carry)
-    new_params = dict(
-        params,
-        jaxpr=jaxpr,
-        num_consts=len(hoisted) + len(flat_consts),
-        num_carry=len(flat_carry),
-    )
-    operands = [*hoisted, *flat_consts, *flat_carry, *_leaves(xs)]
-    outs = bind_with_trace(trace.parent_trace, primitive, operands, new_params)
+    flat_consts = [*hoisted, *_leaves(consts)]
+    flat_carry = _leaves(carry)
+    options = (length, params["reverse"], params["unroll"])
+    split = (len(flat_consts), len(flat_consts) + len(flat_carry))
+
+    def run(*operands):
+        consts, init, xs = _split_at(operands, split)
+        body = jaxpr_as_fun(jaxpr)
+
+        def step(carry, x):
+            outs = body(*consts, *carry, *x)
+            return outs[: len(carry)], outs[len(carry) :]
+
+        carry, ys = jax.lax.scan(
+            step, list(init), list(xs), length, options[1], options[2]
+        )
+        return [*carry, *ys]
+
+    operands = [*flat_consts, *flat_carry, *_leaves(xs)]
+    outs = _run_on_parent(trace, plan, options, run, operands)
     skeleton = plan.traced.out_skeleton()
     carry_skeleton, ys_skeleton = skeleton[:n_carry], skeleton[n_carry:]
     n_carry_leaves = len(_leaves(carry_skeleton))
@@ -872,22 +912,24 @@ def _while_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> li
     )
     body, body_hoisted = _hoisted(plan.traced)
     cond, cond_hoisted = _hoisted(cond_traced)
-    flat_cond_consts, flat_body_consts = _leaves(cond_consts), _leaves(body_consts)
-    new_params = dict(
-        params,
-        body_jaxpr=body,
-        cond_jaxpr=cond,
-        body_nconsts=len(body_hoisted) + len(flat_body_consts),
-        cond_nconsts=len(cond_hoisted) + len(flat_cond_consts),
-    )
-    operands = [
-        *cond_hoisted,
-        *flat_cond_consts,
-        *body_hoisted,
-        *flat_body_consts,
-        *_leaves(carry),
-    ]
-    outs = bind_with_trace(trace.parent_trace, primitive, operands, new_params)
+    flat_cond_consts = [*cond_hoisted, *_leaves(cond_consts)]
+    flat_body_consts = [*body_hoisted, *_leaves(body_consts)]
+    split = (len(flat_cond_consts), len(flat_cond_consts) + len(flat_body_consts))
+
+    def run(*operands):
+        cond_consts, body_consts, init = _split_at(operands, split)
+        cond_fun, body_fun = jaxpr_as_fun(cond), jaxpr_as_fun(body)
+
+        def predicate(carry):
+            (pred,) = cond_fun(*cond_consts, *carry)
+            return pred
+
+        return jax.lax.while_loop(
+            predicate, lambda carry: body_fun(*body_consts, *carry), list(init)
+        )
+
+    operands = [*flat_cond_consts, *flat_body_consts, *_leaves(carry)]
+    outs = _run_on_parent(trace, None, None, run, operands)
     return jax.tree_util.tree_unflatten(plan.traced.out_tree, outs)
 
 
@@ -1055,6 +1097,15 @@ def _call_rule(trace, primitive, f, vals, params):
     return [trace.wrap(o) for o in jax.tree_util.tree_unflatten(info.tree, outs)]
 
 
+def _eval_jaxpr_rule(trace, primitive, vals, params):
+    """An inlined call of a jaxpr (JAX > 0.11's `call_p`/`closed_call_p`): its body
+    runs on the implicit values where it stands."""
+    body = jaxpr_as_fun(params["call_jaxpr"])
+    with set_current_trace(trace):
+        outs = body(*map(trace.wrap, vals))
+    return [trace.to_value(o) for o in outs]
+
+
 def _zeros(aval: Any) -> Any:
     if aval.dtype == jax.dtypes.float0:
         return np.zeros(aval.shape, jax.dtypes.float0)
@@ -1219,9 +1270,11 @@ def _implicit_bwd(f, tag, in_implicit, info: _Outputs, *args):
             cts.append(next(ct_leaves))
     sub, wrapped = _enter(tag, res)
     with set_current_trace(sub):
-        cts_in = f(*wrapped, *cts)
+        cts_in, logs = split_bwd_result(f(*wrapped, *cts))
     del wrapped
     cts_in = _unwrap_all(sub, cts_in)
+    if logs is not None:
+        logs = sub.unwrap_tree(logs)
     implicit_inputs = iter(implicit_inputs)
     out = []
     for is_implicit, ct in zip(in_implicit, cts_in, strict=True):
@@ -1234,7 +1287,7 @@ def _implicit_bwd(f, tag, in_implicit, info: _Outputs, *args):
             out.extend(zero_cts)
         else:
             out.extend(_leaf_cotangents(value, _quiet_dense(ct)))
-    return out
+    return join_bwd_result(out, logs)
 
 
 def _custom_vjp_rule(
@@ -1348,7 +1401,7 @@ def _shard_map_rule(trace, primitive, fun, vals, params):
         template[:] = [ans.update([None] * len(outs))]
         specs_out[:] = list(out_specs)
         out_leaf_specs = _per_leaf(outs, out_specs, _split_specs)
-        return FlatTree.flatten(tuple(_leaves(outs))).with_aux(out_leaf_specs)
+        return flatten_ft(tuple(_leaves(outs))).with_aux(out_leaf_specs)
 
     new_params = dict(
         params,
@@ -1473,8 +1526,10 @@ structural_rules[jax.lax.cond_p] = _cond_rule
 structural_rules[jax.lax.scan_p] = _scan_rule
 structural_rules[jax.lax.while_p] = _while_rule
 structural_rules[primitives_module.remat_p] = _remat_rule
-structural_rules[primitives_module.call_p] = _call_rule
-structural_rules[primitives_module.closed_call_p] = _call_rule
+for _primitive in CALL_PRIMITIVES:
+    structural_rules[_primitive] = _call_rule
+if CALL_JAXPR_P is not None:
+    structural_rules[CALL_JAXPR_P] = _eval_jaxpr_rule
 structural_rules[primitives_module.custom_jvp_call_p] = _custom_jvp_rule
 structural_rules[primitives_module.custom_vjp_call_p] = _custom_vjp_rule
 if shard_map_p is not None:

@@ -36,7 +36,6 @@ from ._base import (
     quiet_materialization,
 )
 from ._compat import (
-    UNSPECIFIED,
     ArrayImpl,
     ClosedJaxpr,
     Jaxpr,
@@ -56,13 +55,12 @@ from ._compat import (
     is_stack_before_transformation,
     jaxpr_as_fun,
     jit_context,
+    jit_params_are_default,
     primitive_batchers,
     primitive_jvps,
     primitives_module,
     register_lowering_fun,
-    run_jit_at_top_level,
     set_current_trace,
-    share_jit_key,
     traced_source_line,
     typeof,
 )
@@ -294,8 +292,6 @@ class ImplicitTrace(Trace):
         self.requires_low = False
         # Eager: primitives on plain operands run right away (see `eager_jit`).
         self.eager = is_eval_trace(parent_trace)
-        # Whether it keys JAX's `jit` caches as its parent does (see `share_jit_key`).
-        self.shares_jit_key = False
         # While an eager operator is looked at: the binds it makes (see `_operator`).
         self.recording: list | None = None
 
@@ -343,13 +339,10 @@ class ImplicitTrace(Trace):
                 and holds_created_implicit(params)
             ):
                 if primitive is _JIT and self.eager:
-                    if self.shares_jit_key:
-                        outs = run_jit_at_top_level(vals)
-                        if outs is not None:
-                            return outs
                     compiled = eager_jit(params)
                     if compiled is not None:
-                        return compiled(*vals)
+                        with set_current_trace(self.parent_trace):  # top level
+                            return compiled(*vals)
                 return bind_canonical(self.parent_trace, primitive, vals, params)
             out = structural_rules[primitive](self, primitive, vals, params)
         else:
@@ -585,9 +578,6 @@ def eager_jit(params: dict) -> Callable | None:
     path. A jaxpr seen for the first time keeps the ordinary path (None): some are
     staged for one call only, which is not worth compiling again. So do parameters
     other than the defaults (shardings, donation, layouts, a mesh, compiler options).
-    The thread's shared eager trace first tries `run_jit_at_top_level`, after which
-    JAX's C++ path skips the staging too; this is what remains when that does not apply
-    (effects, NaN checks, a `jit` left to JAX, a trace of its own).
     """
     closed = params["jaxpr"]
     key = id(closed)
@@ -598,7 +588,7 @@ def eager_jit(params: dict) -> Callable | None:
         if compiled is not _SEEN_ONCE:
             return compiled
         compiled = None
-        if _default_jit_params(params):
+        if jit_params_are_default(params):
             compiled = compile_jaxpr(closed, params["keep_unused"])
     else:
         compiled = _SEEN_ONCE
@@ -617,21 +607,6 @@ def _forget(key: int, entries: dict = _eager_jits) -> Callable:
 
 
 _SEEN_ONCE = object()
-
-
-def _default_jit_params(params: dict) -> bool:
-    closed = params["jaxpr"]
-    return (
-        not closed.effects  # ordered effects, refs: JAX's own path
-        and not closed.jaxpr.is_high
-        and all(s is UNSPECIFIED for s in params["in_shardings"])
-        and all(s is UNSPECIFIED for s in params["out_shardings"])
-        and all(layout is None for layout in params["in_layouts"])
-        and all(layout is None for layout in params["out_layouts"])
-        and not any(params["donated_invars"])
-        and params["ctx_mesh"].empty
-        and not params["compiler_options_kvs"]
-    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -1028,11 +1003,6 @@ def _eager_trace(parent: Trace) -> ImplicitTrace | None:
     trace = getattr(_eager, "trace", None)
     if trace is None or trace.parent_trace is not parent:
         trace = _eager.trace = ImplicitTrace(parent, ImplicitTag())
-        # Plain operands bind to the eval trace unchanged: `jnp` calls on them may take
-        # the C++ path that eval-trace calls compiled (see `share_jit_key`); their first
-        # calls are made at top level (`run_jit_at_top_level`).
-        share_jit_key(trace, parent)
-        trace.shares_jit_key = True
     _eager.in_use = True
     return trace
 

@@ -21,7 +21,6 @@ layer's dtype promotion used to loop forever.
 from __future__ import annotations
 
 import operator
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,7 +29,7 @@ import numpy as np
 
 from . import _errors
 from ._base import ImplicitBase
-from ._compat import JNP_ARRAYLIKE_CHECK, JNP_CONSTRUCTORS, Tracer
+from ._compat import Tracer, jax_array_asker
 from ._interpreter import (
     MaterializationEvent,
     _source_line,
@@ -86,29 +85,17 @@ def jax_array_protocol(x: ImplicitBase) -> Any:
     - Its binary operators (``jax_array @ x``) and anything else: no such attribute, so
       that Python calls this type's reflected operator, where handlers apply (rule 1).
     """
-    caller = sys._getframe(1)
-    module = caller.f_globals.get("__name__")
-    if module == JNP_CONSTRUCTORS:
+    asker, function = jax_array_asker(1)
+    if asker == "constructor":
         return lambda: _densify(x, "jnp.asarray")
-    if module == JNP_ARRAYLIKE_CHECK:
+    if asker == "check":
         raise TypeError(
             _errors.OUTSIDE_WRAPPER.format(
-                function=_jnp_function_name(caller), cls=type(x).__name__
+                function=f"jnp.{function}" if function else "a jnp function",
+                cls=type(x).__name__,
             )
         )
     raise AttributeError("__jax_array__")
-
-
-def _jnp_function_name(frame: Any) -> str:
-    """The `fun_name` that JAX's array-like check was given, e.g. ``jnp.sin``."""
-    for _ in range(4):
-        if frame is None:
-            break
-        name = frame.f_locals.get("fun_name")
-        if isinstance(name, str):
-            return f"jnp.{name}"
-        frame = frame.f_back
-    return "a jnp function"
 
 
 def getitem(x: ImplicitBase, index: Any) -> Any:

@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._compat import known_constant
+from ._compat import jaxpr_as_fun, known_constant
 from ._dispatch import ArrayValue, primitive_handler
 from ._implicit_array import ImplicitArray, aux_field
 from ._interpreter import use_implicit_args
@@ -650,7 +650,7 @@ def _cond(
     """
     i = int(index.value)
     branch = branches[i if 0 <= i < len(branches) else len(branches) - 1]
-    run = jax.extend.core.jaxpr_as_fun(branch)
+    run = jaxpr_as_fun(branch)
     if any(isinstance(x, ImplicitArray) for x in operands):
         return use_implicit_args(run)(*operands)
     return run(*operands)

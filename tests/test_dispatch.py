@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.extend.core import primitives
 
 import qax
 from tests.helpers import assert_close
@@ -59,6 +60,38 @@ def test_aliases_and_non_lax_primitives_resolve():
     assert resolve_primitive("pjit").name == "jit"
     assert resolve_primitive("jit").name == "jit"
     assert resolve_primitive("custom_jvp_call").name == "custom_jvp_call"
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("checkpoint", primitives.remat_p),
+        ("remat", primitives.remat_p),
+        ("remat2", primitives.remat_p),  # the primitive's own name
+        ("pjit", primitives.jit_p),
+        ("scan", jax.lax.scan_p),
+        ("while", jax.lax.while_p),
+        ("cond", jax.lax.cond_p),
+    ],
+)
+def test_documented_names_resolve(name, expected):
+    from qax._dispatch import resolve_primitive
+
+    assert resolve_primitive(name) is expected
+
+
+def test_every_name_in_qax_constants_resolves():
+    from qax._dispatch import resolve_primitive
+
+    for group in (
+        qax.constants.COMMUTATIVE_OPS,
+        qax.constants.ELEMENTWISE_UNOPS,
+        qax.constants.ELEMENTWISE_BINOPS,
+        qax.constants.REDUCTION_OPS,
+        qax.constants.CUMULATIVE_REDUCTION_OPS,
+    ):
+        for name in group:
+            assert resolve_primitive(name).name == name
 
 
 def test_dispatch_is_over_all_positional_argument_types():

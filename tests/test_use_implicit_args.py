@@ -1,5 +1,6 @@
 """use_implicit_args: argument handling and composition with JAX transformations."""
 
+import os
 from dataclasses import dataclass
 
 import jax
@@ -304,7 +305,9 @@ def test_qax_errors_are_shown_once_without_qax_frames(outer):
         outer(qax.use_implicit_args(user_function))(WrongShape(jnp.ones(3)))
     text = "".join(traceback.format_exception(info.value))
     assert text.count("returned float32[7]") == 1, text
-    assert "/qax/" not in text.replace("qax.HandlerError", ""), text
+    # (The package's own folder: a clone may itself sit in a folder named `qax`.)
+    package = os.path.dirname(os.path.abspath(qax.__file__)) + os.sep
+    assert package not in text, text
     assert "the user's line" in text
     assert "qax.HandlerError" in text
 
