@@ -147,8 +147,7 @@ def _warm_up(fn, warmup: int = 3):
     # Every call of a jitted function under a new trace adds an entry to JAX's C++ jit
     # cache (keyed on the trace); see `drift_rows`. The caches are not cleared first:
     # after `jax.clear_caches()`, `jit` objects made before (every `jnp` function) no
-    # longer share their C++ cache with new ones, and qax leaves them to JAX's Python
-    # path inside eager calls (`qax._compat._Made`), which is not what a program sees.
+    # longer share their C++ cache with new ones, which is not what a program sees.
     for _ in range(warmup):
         fn()
 

@@ -1,7 +1,11 @@
 """The one place that touches JAX internals.
 
-Everything qax needs from `jax._src` or `jax.extend` is imported here, so that a JAX
-upgrade is a change to this file alone. Written against JAX 0.10.x.
+Everything qax needs from `jax._src` or `jax.extend`, from JAX's frames, and the
+parameter layouts of the primitives its rules read (`PARAM_LAYOUTS`) is reached here, so
+that a JAX upgrade is a change to this file alone. Supports JAX 0.10.2 to 0.12.x;
+differences between versions are found by feature (an attribute, a parameter name),
+never by version number. `tests/test_compat.py` checks every item on the installed JAX
+and names the function here to fix when one is gone.
 """
 
 from __future__ import annotations
@@ -58,6 +62,11 @@ primitives_module = jex_core.primitives
 trace_to_jaxpr_dynamic = _pe.trace_to_jaxpr_dynamic
 convert_constvars_jaxpr = _pe.convert_constvars_jaxpr
 wrap_init = _lu.wrap_init
+
+
+def init_tracer(tracer: Tracer, trace: Trace, aval) -> None:
+    """Initialize a new tracer of a `Tracer` subclass (JAX's constructor)."""
+    Tracer.__init__(tracer, trace, aval)
 
 
 def canonicalize_value(x):
@@ -358,6 +367,44 @@ def forget_export_serialization(nodetype: type, serialized_name: str) -> None:
 
 
 # -- parameter layouts of primitives whose rules rebind them ------------------------------
+#
+# The parameters that qax's rules read or set, per primitive (`qax/_higher_order.py`,
+# `qax/_interpreter.py`). `tests/test_compat.py` checks each on the installed JAX; where
+# versions differ, the functions below read them.
+
+PARAM_LAYOUTS: dict[str, frozenset] = {
+    "jit": frozenset(
+        {
+            "jaxpr",
+            "name",
+            "inline",
+            "donated_invars",
+            "in_shardings",
+            "out_shardings",
+            "in_layouts",
+            "out_layouts",
+            "ctx_mesh",
+            "keep_unused",
+            "compiler_options_kvs",
+        }
+    ),
+    "cond": frozenset({"branches"}),
+    "scan": frozenset({"jaxpr", "length", "reverse", "unroll"}),
+    "while": frozenset({"cond_jaxpr", "body_jaxpr", "cond_nconsts", "body_nconsts"}),
+    "remat2": frozenset({"jaxpr", "prevent_cse"}),
+    "shard_map": frozenset({"mesh", "in_specs"}),
+    "sharding_constraint": frozenset({"sharding", "layout"}),
+    "device_put": frozenset({"devices", "srcs", "copy_semantics"}),
+}
+
+
+def weakly_typed(x):
+    """`x` (a strongly typed value), weakly typed: as a body traced for a weak input
+    sees it."""
+    return jax.lax.convert_element_type_p.bind(
+        x, new_dtype=typeof(x).dtype, weak_type=True, sharding=None
+    )
+
 
 _INLINE = getattr(jax, "Inline", None)  # JAX >= 0.11: `jit(inline=...)` is an enum
 _INLINED = (True,) if _INLINE is None else (True, _INLINE.JAX_EARLY, _INLINE.JAX_LATE)

@@ -80,6 +80,7 @@ from ._compat import (
     trace_to_jaxpr_dynamic,
     transformation2,
     typeof,
+    weakly_typed,
     wrap_init,
 )
 from ._interpreter import (
@@ -467,9 +468,7 @@ def _weaken(x: Any, weak: bool) -> Any:
     aval = typeof(x)
     if not weak or aval.weak_type:
         return x
-    return jax.lax.convert_element_type_p.bind(
-        x, new_dtype=aval.dtype, weak_type=True, sharding=None
-    )
+    return weakly_typed(x)
 
 
 def _scalar_literals(vals: Sequence) -> dict[int, Any]:

@@ -50,6 +50,7 @@ from ._compat import (
     ensure_no_leaks,
     hide_frames_of,
     in_backward_pass,
+    init_tracer,
     instantiate_zeros,
     is_eval_trace,
     is_stack_before_transformation,
@@ -251,12 +252,11 @@ class ImplicitTag(TraceTag):
 class ImplicitTracer(Tracer):
     """A tracer whose value is an implicit array (never a plain array)."""
 
-    __slots__ = ("value",)
+    __slots__ = ("value", "owner")
 
     def __init__(self, trace: ImplicitTrace, value: ImplicitBase):
-        # What `Tracer.__init__` does, without the call (one per implicit result).
-        self._trace = trace
-        self.aval = value.aval
+        init_tracer(self, trace, value.aval)
+        self.owner = trace  # (JAX's own reference to it is private)
         self.value = value
 
     def full_lower(self):
@@ -298,7 +298,7 @@ class ImplicitTrace(Trace):
     # -- lifting and lowering ------------------------------------------------------------
 
     def to_value(self, x: Any) -> Any:
-        if isinstance(x, ImplicitTracer) and x._trace.tag is self.tag:
+        if isinstance(x, ImplicitTracer) and x.owner.tag is self.tag:
             return x.value
         return x
 
@@ -326,7 +326,7 @@ class ImplicitTrace(Trace):
         implicit = False
         for t in tracers:
             if isinstance(t, ImplicitTracer):
-                if t._trace.tag is tag:
+                if t.owner.tag is tag:
                     t = t.value  # always implicit
                     implicit = True
             elif not implicit and isinstance(t, ImplicitBase):
@@ -365,11 +365,12 @@ class ImplicitTrace(Trace):
             self.recording.append(None)
 
     def stage_value(self, val):
-        if isinstance(val, ImplicitTracer) and val._trace.tag is self.tag:
+        if isinstance(val, ImplicitTracer) and val.owner.tag is self.tag:
             return val
         return self.parent_trace.stage_value(val)
 
     def process_call(self, call_primitive, f, tracers, params):
+        # (JAX 0.10's call primitives; later versions bind `eval_jaxpr` instead.)
         self._not_an_operator()
         rule = structural_rules[call_primitive]
         return rule(
@@ -449,7 +450,7 @@ def _operator(name: str) -> Callable:
     jax_method = getattr(Tracer, f"__{name}__")
 
     def method(self, *args):
-        trace = self._trace
+        trace = self.owner
         if trace.eager and trace.recording is None and current_trace() is trace:
             return trace.run_operator(name, jax_method, self, args)
         return jax_method(self, *args)
@@ -465,7 +466,7 @@ for _name in _OPERATORS:
 def _operand_key(x: Any, trace: ImplicitTrace) -> Any:
     """What JAX's staging of an operator sees of operand `x`; None: not remembered."""
     if isinstance(x, ImplicitTracer):
-        return x.aval if x._trace is trace else None
+        return x.aval if x.owner is trace else None
     if type(x) is ArrayImpl:
         # Concrete scalars may change what `jnp` does (`x ** 2` is an `integer_pow`).
         return (x.aval, x.sharding) if x.ndim else None

@@ -1,8 +1,7 @@
 """Strict harness: tracer-leak checking on, unexpected materialization is an error.
 
 `JAX_CHECK_TRACER_LEAKS=0` runs the suite without leak checking: eager calls then share
-one trace per thread and its fast paths (`qax._compat.run_jit_at_top_level`), as they do
-in users' programs.
+one trace per thread, as they do in users' programs.
 """
 
 import os
