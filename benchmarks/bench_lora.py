@@ -550,6 +550,11 @@ def main(argv: list[str] | None = None) -> None:
         help="only the eager (un-jitted) forward table",
     )
     parser.add_argument(
+        "--jit-only",
+        action="store_true",
+        help="skip the eager tables (tracing and jitted steps only)",
+    )
+    parser.add_argument(
         "--eager-alone",
         nargs=3,
         metavar=("VARIANT", "MODEL", "CALLS"),
@@ -581,6 +586,14 @@ def main(argv: list[str] | None = None) -> None:
         "times: medians; ratios: medians of per-repetition ratios "
         f"(repetitions: {dataclasses.asdict(reps)})\n"
     )
+    if not args.jit_only:
+        eager_tables(args, cfg, eager_reps, eager_inner, alone_pairs, alone_calls)
+    if args.eager_only:
+        return
+    _jit_tables(args, cfg, reps)
+
+
+def eager_tables(args, cfg, eager_reps, eager_inner, alone_pairs, alone_calls) -> None:
     print("eager forward:", file=sys.stderr)
     print(
         "### eager (un-jitted) forward, layers as a Python loop "
@@ -610,8 +623,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     )
     print()
-    if args.eager_only:
-        return
+
+
+def _jit_tables(args, cfg, reps) -> None:
     headers = ["measurement", "dense", "hand LoRA", "qax LoRA", "qax/hand", "qax/dense"]
     layouts = {"loop": [False], "scan": [True], "both": [False, True]}[args.layout]
     for scan in layouts:

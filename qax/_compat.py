@@ -449,6 +449,25 @@ def scan_operand_counts(params: dict) -> tuple[int, int]:
     return len(consts), len(carry)
 
 
+def scan_params(params: dict, jaxpr, counts: tuple[int, int, int, int]) -> dict:
+    """`params` of a `scan` bind, for the body `jaxpr` over (constants, carries, xs)
+    and giving (carries, ys), with `counts` = the numbers of each.
+
+    (Re-binding through `lax.scan` would trace the body once more: measured 1.28x the
+    tracing of hand-written LoRA for a layer-stacked train step, instead of 1.07x.)
+    """
+    n_consts, n_carry, n_xs, n_ys = counts
+    if "num_consts" in params:
+        return dict(params, jaxpr=jaxpr, num_consts=n_consts, num_carry=n_carry)
+    ft = _flattree
+    return dict(
+        params,
+        jaxpr=jaxpr,
+        ft_in=ft.pack((ft.nones(n_consts), ft.nones(n_carry), ft.nones(n_xs))),
+        ft_out=ft.pack((ft.nones(n_carry), ft.nones(n_ys))),
+    )
+
+
 # JAX > 0.11: a `custom_vjp` backward rule, flattened, returns its cotangents and the
 # logs of `defvjp_with_logs` as a pair.
 BWD_RETURNS_LOGS = hasattr(jax.custom_vjp, "defvjp_with_logs")

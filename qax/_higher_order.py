@@ -73,6 +73,7 @@ from ._compat import (
     primitives_module,
     pvary_p,
     scan_operand_counts,
+    scan_params,
     separate_consts,
     set_current_trace,
     shard_map_p,
@@ -610,8 +611,6 @@ class _LoopPlan:
     weak_body: frozenset = frozenset()
     described: dict = dataclasses.field(default_factory=dict)
     traced: TracedBody | None = None
-    # Eagerly: the loop compiled, per loop options (see `_run_on_parent`).
-    compiled: dict = dataclasses.field(default_factory=dict)
 
 
 def _strengthen(leaves: list, which: frozenset) -> list:
@@ -804,22 +803,6 @@ def _split_at(seq: Sequence, ends: tuple) -> list:
     return [seq[a:b] for a, b in zip(starts, (*ends, len(seq)), strict=True)]
 
 
-def _run_on_parent(trace, plan, key, run: Callable, operands: list) -> list:
-    """`run(*operands)` (a function that calls `lax.scan`, `lax.while_loop`, ...) on the
-    parent trace.
-
-    Eagerly, a `jax.jit` of `run` kept in `plan.compiled` under `key` (when `plan` is
-    given) runs it: the loop is compiled once, not on every call.
-    """
-    with set_current_trace(trace.parent_trace):
-        if plan is None or not trace.eager:
-            return run(*operands)
-        compiled = plan.compiled.get(key)
-        if compiled is None:
-            compiled = plan.compiled[key] = jax.jit(run)
-        return compiled(*operands)
-
-
 def _scan_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list:
     n_consts, n_carry = scan_operand_counts(params)
     length = params["length"]
@@ -847,26 +830,13 @@ def _scan_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> lis
         _stackable_ys(n_carry, "lax.scan"),
     )
     jaxpr, hoisted = _hoisted(plan.traced)
-    flat_consts = [*hoisted, *_leaves(consts)]
-    flat_carry = _leaves(carry)
-    options = (length, params["reverse"], params["unroll"])
-    split = (len(flat_consts), len(flat_consts) + len(flat_carry))
-
-    def run(*operands):
-        consts, init, xs = _split_at(operands, split)
-        body = jaxpr_as_fun(jaxpr)
-
-        def step(carry, x):
-            outs = body(*consts, *carry, *x)
-            return outs[: len(carry)], outs[len(carry) :]
-
-        carry, ys = jax.lax.scan(
-            step, list(init), list(xs), length, options[1], options[2]
-        )
-        return [*carry, *ys]
-
-    operands = [*flat_consts, *flat_carry, *_leaves(xs)]
-    outs = _run_on_parent(trace, plan, options, run, operands)
+    flat_consts, flat_carry = [*hoisted, *_leaves(consts)], _leaves(carry)
+    flat_xs = _leaves(xs)
+    n_ys = len(jaxpr.out_avals) - len(flat_carry)
+    counts = (len(flat_consts), len(flat_carry), len(flat_xs), n_ys)
+    new_params = scan_params(params, jaxpr, counts)
+    operands = [*flat_consts, *flat_carry, *flat_xs]
+    outs = bind_with_trace(trace.parent_trace, primitive, operands, new_params)
     skeleton = plan.traced.out_skeleton()
     carry_skeleton, ys_skeleton = skeleton[:n_carry], skeleton[n_carry:]
     n_carry_leaves = len(_leaves(carry_skeleton))
@@ -928,7 +898,8 @@ def _while_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> li
         )
 
     operands = [*flat_cond_consts, *flat_body_consts, *_leaves(carry)]
-    outs = _run_on_parent(trace, None, None, run, operands)
+    with set_current_trace(trace.parent_trace):
+        outs = run(*operands)
     return jax.tree_util.tree_unflatten(plan.traced.out_tree, outs)
 
 
