@@ -31,6 +31,7 @@ from jax._src.lax.control_flow.common import _merge_common_consts
 from jax._src.shard_map import shard_map_p as shard_map_p
 from jax._src.sharding_impls import UNSPECIFIED as UNSPECIFIED
 from jax.sharding import NamedSharding as _NamedSharding
+from jax.sharding import PartitionSpec as _P
 
 try:  # JAX >= 0.11
     from jax._src import flattree as _flattree
@@ -40,7 +41,6 @@ except ImportError:  # JAX 0.10
     from jax._src.tree_util import FlatTree as _FlatTree
 
     flatten_ft = _FlatTree.flatten
-from jax.sharding import PartitionSpec as _P
 
 Trace = _core.Trace
 Tracer = _core.Tracer
@@ -50,7 +50,6 @@ Primitive = jex_core.Primitive
 ClosedJaxpr = jex_core.ClosedJaxpr
 Jaxpr = jex_core.Jaxpr
 DebugInfo = jex_core.DebugInfo
-take_current_trace = jex_core.take_current_trace
 set_current_trace = jex_core.set_current_trace
 jaxpr_as_fun = jex_core.jaxpr_as_fun
 eval_jaxpr = _core.eval_jaxpr
