@@ -430,3 +430,16 @@ def test_eager_lora_model_leaves_the_hand_written_model_fast():
     assert_close(second, want)
     assert_close(plain, want)
     assert sum(staged.counts.values()) == 0, staged.counts
+
+
+def test_nested_user_jit_keeps_donation_on_implicit_operands():
+    """A user's `jit` with donation, called eagerly on an implicit operand, donates on
+    every call (it must not be taken for an inlined `jnp` wrapper: JAX > 0.10 keeps
+    `inline` as an always-truthy enum)."""
+    g = jax.jit(lambda z, x: z * x + 1.0, donate_argnums=1)
+    f = qax.use_implicit_args(lambda z, x: g(z, x))
+    c = SymbolicConstant(2.0, shape=(3, 4), dtype=jnp.float32)
+    for _ in range(3):
+        x = jnp.ones((3, 4)) * 2.0
+        assert_close(f(c, x), jnp.full((3, 4), 5.0))
+        assert x.is_deleted()
