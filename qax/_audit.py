@@ -128,7 +128,7 @@ class materialization_policy:  # lower case: it is used like a function
 
     Args:
       target: an implicit array class (its subclasses included), a primitive name such
-        as ``"dot_general"``, or a `jax.extend.core.Primitive`.
+        as ``"dot_general"``, or a JAX `Primitive` object (``jax.lax.dot_general_p``).
       policy: ``"allow"``, ``"warn"`` or ``"error"``.
 
     Raises:

@@ -50,7 +50,7 @@ generation = [0]
 
 
 def _known_primitives() -> dict[str, Primitive]:
-    """The primitives of `jax.lax` and `jax.extend.core.primitives`, by the name of their
+    """The primitives JAX names (`primitives_module` too), by the name of their
     attribute (``add`` for `add_p`) and by their own name (``remat2`` for `remat_p`)."""
     found: dict[str, Primitive] = {}
     for namespace in (jax.lax, primitives_module):
@@ -73,7 +73,8 @@ def resolve_primitive(primitive: str | Primitive) -> Primitive:
     if not isinstance(primitive, str):
         raise TypeError(
             "A primitive must be given as a name (e.g. 'dot_general') or a "
-            f"`jax.extend.core.Primitive`, got {type(primitive).__name__}: {primitive!r}."
+            f"JAX `Primitive` object (e.g. `jax.lax.dot_general_p`), got "
+            f"{type(primitive).__name__}: {primitive!r}."
         )
     name = _ALIASES.get(primitive, primitive)
     for namespace in (jax.lax, primitives_module):
@@ -120,7 +121,7 @@ def primitive_handler(
 
     Args:
       primitives: a primitive name (looked up as ``jax.lax.<name>_p``, then
-        ``jax.extend.core.primitives.<name>_p``, then by the primitive's own name, as in
+        among JAX's other primitives, then by the primitive's own name, as in
         ``"remat2"``; ``"pjit"`` and ``"checkpoint"`` name `jit` and `checkpoint`), a
         `Primitive`, or a list of either.
       precedence: breaks ties between equally specific handlers (higher wins).

@@ -110,9 +110,10 @@ operands produces {expected}. A handler must return arrays (or implicit arrays) 
 the shape and dtype of the primitive's result."""
 
 UNKNOWN_PRIMITIVE = """\
-Unknown primitive name {name!r}: there is no `jax.lax.{name}_p` (nor \
-`jax.extend.core.primitives.{name}_p`).{suggestion} Pass a name from `qax.constants` or the \
-`jax.extend.core.Primitive` object itself."""
+Unknown primitive name {name!r}: JAX has no primitive of that name (looked up as \
+`jax.lax.{name}_p`, among JAX's other primitives, and by primitive names).{suggestion} \
+Pass a name from `qax.constants` or the JAX `Primitive` object itself (e.g. \
+`jax.lax.dot_general_p`)."""
 
 OUTSIDE_WRAPPER = """\
 `{function}` received a {cls}, which is an implicit array, outside \

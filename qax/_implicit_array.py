@@ -256,7 +256,7 @@ class ImplicitArray(ImplicitBase):
 
     @property
     def aval(self) -> ShapedArray:
-        """The abstract value (`jax.core.ShapedArray`) JAX sees for this array.
+        """The abstract value (a `ShapedArray`) JAX sees for this array.
 
         Inside `shard_map` it varies over every mesh axis that one of its leaves varies
         over, as the materialized array would.

@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._compat import jaxpr_as_fun, known_constant
+from ._compat import ShapedArray, Tracer, eval_context, jaxpr_as_fun, known_constant
 from ._dispatch import ArrayValue, primitive_handler
 from ._implicit_array import ImplicitArray, aux_field
 from ._interpreter import use_implicit_args
@@ -75,7 +75,7 @@ _TRACED_VALUE = (
 
 
 # Abstract values by (shape, dtype, weak type): tracing asks for them on every operation.
-_avals: dict[tuple, jax.core.ShapedArray] = {}
+_avals: dict[tuple, ShapedArray] = {}
 _CACHE_LIMIT = 8192
 
 
@@ -115,7 +115,7 @@ class SymbolicConstant(ImplicitArray):
 
     def __post_init__(self) -> None:
         value = self.value
-        if isinstance(value, jax.core.Tracer):
+        if isinstance(value, Tracer):
             raise TypeError(_TRACED_VALUE.format(aval=jax.typeof(value).str_short()))
         if np.ndim(value) != 0:
             raise ValueError(_NOT_SCALAR.format(shape=np.shape(value)))
@@ -134,13 +134,13 @@ class SymbolicConstant(ImplicitArray):
         super().__post_init__()
 
     @property
-    def aval(self) -> jax.core.ShapedArray:
+    def aval(self) -> ShapedArray:
         key = (self.shape, self.dtype, self.weak_type)
         aval = _avals.get(key)
         if aval is None:
             if len(_avals) > _CACHE_LIMIT:
                 _avals.clear()
-            aval = _avals[key] = jax.core.ShapedArray(*key[:2], weak_type=key[2])
+            aval = _avals[key] = ShapedArray(*key[:2], weak_type=key[2])
         return aval
 
     def materialize(self) -> jax.Array:
@@ -212,7 +212,7 @@ def symbolic_zero_like(
 
 
 def _scalar_value(value: Any) -> Any:
-    if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
+    if isinstance(value, jax.Array) and not isinstance(value, Tracer):
         return np.asarray(value)[()] if value.ndim == 0 else value
     return value
 
@@ -232,7 +232,7 @@ def _canonical_value(value: Any, dtype: np.dtype) -> Any:
         with np.errstate(over="ignore"):  # float overflow gives inf, as in JAX
             out = np.asarray(value, dtype)[()]
     else:
-        with jax.core.eval_context():
+        with eval_context():
             out = np.asarray(jnp.asarray(_scalar_value(value), dtype=dtype))[()]
     if out != out:  # NaN: one object per bit pattern, so treedefs compare equal
         out = _nans.setdefault((dtype, out.tobytes()), out)
@@ -256,7 +256,7 @@ def _scalar(value: Any, weak_type: bool) -> Any:
     key = (value.dtype, value.tobytes())
     out = _scalar_arrays.get(key)
     if out is None:
-        with jax.core.eval_context():
+        with eval_context():
             out = lax.convert_element_type_p.bind(
                 jnp.asarray(value), new_dtype=value.dtype, weak_type=True, sharding=None
             )
@@ -273,15 +273,15 @@ def _broadcast(value: Any, weak_type: bool, shape: tuple[int, ...]) -> jax.Array
     return lax.broadcast_in_dim(scalar, shape, ())
 
 
-def _aval_of(x: Any) -> jax.core.ShapedArray:
+def _aval_of(x: Any) -> ShapedArray:
     if isinstance(x, ImplicitArray):
         return x.aval
     if isinstance(x, jax.ShapeDtypeStruct):
-        return jax.core.ShapedArray(x.shape, x.dtype, weak_type=bool(x.weak_type))
+        return ShapedArray(x.shape, x.dtype, weak_type=bool(x.weak_type))
     return jax.typeof(x)
 
 
-def _constant(value: Any, aval: jax.core.ShapedArray) -> SymbolicConstant:
+def _constant(value: Any, aval: ShapedArray) -> SymbolicConstant:
     return SymbolicConstant(
         value, shape=aval.shape, dtype=aval.dtype, weak_type=aval.weak_type
     )
@@ -294,7 +294,7 @@ def _as_constant(x: Any) -> SymbolicConstant | None:
     if isinstance(x, ImplicitArray) or np.ndim(x) != 0:
         return None
     aval = jax.typeof(x)
-    if isinstance(x, jax.core.Tracer):
+    if isinstance(x, Tracer):
         x = known_constant(x)
         if x is None or np.ndim(x) != 0:
             return None
@@ -331,7 +331,7 @@ def _evaluate(primitive, values: tuple, params: dict) -> Any:
     """Run `primitive` eagerly on NumPy scalars (also while a `jit` is tracing)."""
 
     def run():
-        with jax.core.eval_context():
+        with eval_context():
             return np.asarray(primitive.bind(*values, **params))[()]
 
     key = (primitive, tuple((v.dtype, v.tobytes()) for v in values))
@@ -438,11 +438,11 @@ def _absorbed(name: str, c: SymbolicConstant, const_first: bool) -> Any:
     return None
 
 
-def _aval(x: Any) -> jax.core.ShapedArray:
+def _aval(x: Any) -> ShapedArray:
     return x.aval if isinstance(x, ImplicitArray) else jax.typeof(x)
 
 
-def _fit(x: Any, aval: jax.core.ShapedArray) -> Any:
+def _fit(x: Any, aval: ShapedArray) -> Any:
     """`x` broadcast to `aval.shape` and given its weak type, as JAX would produce it."""
     if isinstance(x, SymbolicConstant):
         return _constant(x.value, aval) if x.aval != aval else x
@@ -630,7 +630,7 @@ def _select_n(primitive, which: ArrayValue, *cases: ArrayValue):
     return lax.select_n(which, *dense)
 
 
-def _dense_case(case: Any, out: jax.core.ShapedArray) -> Any:
+def _dense_case(case: Any, out: ShapedArray) -> Any:
     if not isinstance(case, SymbolicConstant):
         return case
     return _broadcast(case.value, case.weak_type, out.shape)

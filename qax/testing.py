@@ -93,7 +93,7 @@ def check_handler(
     ... )
 
     Args:
-      primitive: a primitive name (e.g. ``"mul"``) or a `jax.extend.core.Primitive`.
+      primitive: a primitive name (e.g. ``"mul"``) or a JAX `Primitive` object.
       *example_args: the operands, implicit arrays or plain arrays, as the primitive
         takes them.
       rtol, atol: tolerances for floating-point results (default: by dtype, 1e-4 /

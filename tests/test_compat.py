@@ -30,7 +30,7 @@ def _fix(name: str) -> str:
 # -- the private surface stays in one module -----------------------------------------------
 
 
-_PRIVATE_MODULES = ("jax._src", "jaxlib.", "jax.extend")
+_PRIVATE_MODULES = ("jax._src", "jaxlib.", "jax.extend", "jax.core")
 # Private attributes of JAX objects, and the locals of frames (JAX's, in practice: qax's
 # own frame walks only read file names and line numbers).
 _PRIVATE_ATTRIBUTES = {"_trace", "_weakref", "_src", "f_locals"}
@@ -50,9 +50,9 @@ def _private_uses(path: pathlib.Path) -> list[str]:
                     found.append(f"{path.name}:{node.lineno} import {alias.name}")
         elif isinstance(node, ast.Attribute) and node.attr in _PRIVATE_ATTRIBUTES:
             found.append(f"{path.name}:{node.lineno} .{node.attr}")
-        elif isinstance(node, ast.Attribute) and node.attr == "extend":
+        elif isinstance(node, ast.Attribute) and node.attr in ("extend", "core"):
             if isinstance(node.value, ast.Name) and node.value.id == "jax":
-                found.append(f"{path.name}:{node.lineno} jax.extend")
+                found.append(f"{path.name}:{node.lineno} jax.{node.attr}")
     return found
 
 
