@@ -9,6 +9,7 @@ what it returned.
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 from collections.abc import Callable, Iterable
 from typing import Any, Union
@@ -49,17 +50,18 @@ _cache: dict[tuple, Callable | None] = {}
 generation = [0]
 
 
+@functools.cache
 def _known_primitives() -> dict[str, Primitive]:
     """The primitives JAX names (`primitives_module` too), by the name of their
     attribute (``add`` for `add_p`) and by their own name (``remat2`` for `remat_p`)."""
-    found: dict[str, Primitive] = {}
-    for namespace in (jax.lax, primitives_module):
+    by_attribute: dict[str, Primitive] = {}
+    for namespace in (jax.lax, primitives_module):  # `jax.lax` first
         for attr in dir(namespace):
             value = getattr(namespace, attr, None)
             if attr.endswith("_p") and isinstance(value, Primitive):
-                found.setdefault(attr[:-2], value)
-                found.setdefault(value.name, value)
-    return found
+                by_attribute.setdefault(attr[:-2], value)
+    by_name = {p.name: p for p in by_attribute.values()}
+    return {**by_name, **by_attribute}  # an attribute's name wins
 
 
 def _all_primitive_names() -> list[str]:
@@ -76,12 +78,7 @@ def resolve_primitive(primitive: str | Primitive) -> Primitive:
             f"JAX `Primitive` object (e.g. `jax.lax.dot_general_p`), got "
             f"{type(primitive).__name__}: {primitive!r}."
         )
-    name = _ALIASES.get(primitive, primitive)
-    for namespace in (jax.lax, primitives_module):
-        found = getattr(namespace, f"{name}_p", None)
-        if isinstance(found, Primitive):
-            return found
-    found = _known_primitives().get(name)
+    found = _known_primitives().get(_ALIASES.get(primitive, primitive))
     if found is not None:
         return found
     close = difflib.get_close_matches(primitive, _all_primitive_names(), n=3)

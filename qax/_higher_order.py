@@ -58,6 +58,7 @@ from ._compat import (
     canonicalize_value,
     convert_constvars_jaxpr,
     current_trace,
+    eval_context,
     eval_jaxpr,
     flatten_ft,
     forget_arg_names,
@@ -395,8 +396,7 @@ def _jit_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list
     if inline and trace.eager and not fresh:
         # Compiled on the second call of a signature: some `jnp` functions (`einsum`)
         # stage a new jaxpr per call, for which JAX's own path is cheaper.
-        with set_current_trace(trace.parent_trace):  # top level
-            outs = entry.call(flat_dynamic)
+        outs = entry.call(flat_dynamic)
         return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 
     out_vals = traced.out_skeleton()
@@ -469,7 +469,8 @@ def _weaken(x: Any, weak: bool) -> Any:
     aval = typeof(x)
     if not weak or aval.weak_type:
         return x
-    return weakly_typed(x)
+    with eval_context():  # (eagerly called: inside a `bind`, JAX > 0.10 has no trace)
+        return weakly_typed(x)
 
 
 def _scalar_literals(vals: Sequence) -> dict[int, Any]:
@@ -797,12 +798,6 @@ def _stackable_ys(n_carry: int, loop: str) -> Callable[[list], list]:
     return fix
 
 
-def _split_at(seq: Sequence, ends: tuple) -> list:
-    """`seq` cut before each index of `ends`."""
-    starts = (0, *ends)
-    return [seq[a:b] for a, b in zip(starts, (*ends, len(seq)), strict=True)]
-
-
 def _scan_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list:
     n_consts, n_carry = scan_operand_counts(params)
     length = params["length"]
@@ -883,23 +878,18 @@ def _while_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> li
     cond, cond_hoisted = _hoisted(cond_traced)
     flat_cond_consts = [*cond_hoisted, *_leaves(cond_consts)]
     flat_body_consts = [*body_hoisted, *_leaves(body_consts)]
-    split = (len(flat_cond_consts), len(flat_cond_consts) + len(flat_body_consts))
+    cond_fun, body_fun = jaxpr_as_fun(cond), jaxpr_as_fun(body)
 
-    def run(*operands):
-        cond_consts, body_consts, init = _split_at(operands, split)
-        cond_fun, body_fun = jaxpr_as_fun(cond), jaxpr_as_fun(body)
+    def predicate(carry):
+        (pred,) = cond_fun(*flat_cond_consts, *carry)
+        return pred
 
-        def predicate(carry):
-            (pred,) = cond_fun(*cond_consts, *carry)
-            return pred
-
-        return jax.lax.while_loop(
-            predicate, lambda carry: body_fun(*body_consts, *carry), list(init)
-        )
-
-    operands = [*flat_cond_consts, *flat_body_consts, *_leaves(carry)]
     with set_current_trace(trace.parent_trace):
-        outs = run(*operands)
+        outs = jax.lax.while_loop(
+            predicate,
+            lambda carry: body_fun(*flat_body_consts, *carry),
+            _leaves(carry),
+        )
     return jax.tree_util.tree_unflatten(plan.traced.out_tree, outs)
 
 

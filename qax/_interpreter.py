@@ -341,8 +341,7 @@ class ImplicitTrace(Trace):
                 if primitive is _JIT and self.eager:
                     compiled = eager_jit(params)
                     if compiled is not None:
-                        with set_current_trace(self.parent_trace):  # top level
-                            return compiled(*vals)
+                        return compiled(*vals)
                 return bind_canonical(self.parent_trace, primitive, vals, params)
             out = structural_rules[primitive](self, primitive, vals, params)
         else:
