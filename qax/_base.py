@@ -53,6 +53,10 @@ class ImplicitBase(metaclass=_ImplicitMeta):
 # Instance attribute holding an implicit array's number of batch dimensions (see
 # `qax._batching`); `None` when its leaves no longer fit its type's declaration.
 NB = "_qax_nb"
+# Instance attribute of a value of an *undeclared* type that `jax.vmap` stacked from
+# examples (outside `use_implicit_args`): the rank of each of its leaves in one example,
+# in flattening order. Its `NB` leading dimensions are then the stacked ones.
+STACKED = "_qax_stacked"
 
 
 def is_implicit(x: Any) -> bool:

@@ -16,19 +16,36 @@ Nothing here is guessed from leaf shapes.
 The numbers of batch dimensions is cached on each instance (`NB`); `None` there means
 that the leaves do not fit the declaration (e.g. they were sliced through an unbatched
 dimension by a `tree_map` or a `lax.scan` outside `use_implicit_args`).
+
+Outside `use_implicit_args`, `jax.vmap` gives a type that declares nothing JAX's pytree
+meaning instead: every leaf is mapped along the `in_axes` entry, each example is an
+instance rebuilt from the sliced leaves (its shape derived again), and an instance
+returned from the mapped function comes out *stacked*: its leaves gain a leading
+dimension, and it records the rank each leaf has in one example (`STACKED`), which
+serves as its declaration from then on (it is sliced, scanned and materialized one
+example at a time along those dimensions). Its handlers, written for one example, never
+see it stacked: inside `use_implicit_args` it is materialized before a primitive
+reaches them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
-from ._base import NB, ImplicitBase, quiet_materialization
+from ._base import NB, STACKED, ImplicitBase, quiet_materialization
 from ._compat import register_vmappable
-from ._interpreter import MaterializationEvent, _source_line, report
+from ._interpreter import (
+    MaterializationEvent,
+    _source_line,
+    materialize_nested,
+    report,
+)
 
 AUX = "qax_aux"
 NDIM = "qax_ndim"
@@ -312,8 +329,8 @@ def rebuild(x: ImplicitBase, children: dict, shape: tuple, nb: int) -> ImplicitB
 def sliceable(x: ImplicitBase, axis: int) -> bool:
     """Whether `x` can be sliced along `axis` leaf by leaf."""
     fields = fields_of(type(x))
-    if not fields.declared:
-        return False
+    if not fields.declared:  # only along the dimensions its leaves were stacked on
+        return axis < (x.__dict__.get(NB) or 0)
     if not fields.children:
         return True
     return axis < x.__dict__.get(NB, 0)
@@ -346,8 +363,6 @@ def undeclared_reason(primitive: str, action: str, x: ImplicitBase, axis: int) -
 
 def densify(x: ImplicitBase, primitive: str, reason: str | None) -> Any:
     """Report and fully materialize `x` (at the current trace)."""
-    from ._interpreter import materialize_nested
-
     if not quiet_materialization.get():
         report(
             MaterializationEvent(
@@ -371,7 +386,8 @@ def _to_elt(cont: Callable, get_idx: Callable, x: ImplicitBase, spec: Any) -> An
             densify(x, "vmap", undeclared_reason("vmap", "maps", x, axis)), axis
         )
     children = {
-        n: _map_child(c, lambda y: cont(y, axis)) for n, c in _children(x).items()
+        n: _map_child(c, lambda y: _child_to_elt(cont, y, axis))
+        for n, c in _children(x).items()
     }
     shape = x.shape[:axis] + x.shape[axis + 1 :]
     nb = max(x.__dict__.get(NB, 0) - 1, 0)
@@ -382,7 +398,7 @@ def _from_elt(cont: Callable, axis_size: int, x: ImplicitBase, spec: Any) -> Any
     """The batched value of a per-example output `x`, batched along axis `spec`."""
     if spec is None:
         children = {
-            n: _map_child(c, lambda y: cont(axis_size, y, None))
+            n: _map_child(c, lambda y: _child_from_elt(cont, axis_size, y, None))
             for n, c in _children(x).items()
         }
         return rebuild(x, children, x.shape, x.__dict__.get(NB, 0))
@@ -393,11 +409,179 @@ def _from_elt(cont: Callable, axis_size: int, x: ImplicitBase, spec: Any) -> Any
         reason = undeclared_reason("vmap", "stacks its outputs of type", x, axis)
         return cont(axis_size, densify(x, "vmap", reason), axis)
     children = {
-        n: _map_child(c, lambda y: cont(axis_size, y, axis))
+        n: _map_child(c, lambda y: _child_from_elt(cont, axis_size, y, axis))
         for n, c in _children(x).items()
     }
     shape = (*x.shape[:axis], axis_size, *x.shape[axis:])
     return rebuild(x, children, shape, nb + 1 if fields.children else 0)
+
+
+# ----------------------------------------------------------------------------------------
+# Types that declare nothing: JAX's pytree meaning, with the batch read off the leaves
+
+
+class LeafRanks(tuple):
+    """The ranks of a value's leaves in one example, kept in its pytree aux data.
+
+    They are read off the leaves, so they tell two tree structures apart no more than
+    the leaves' shapes do: all `LeafRanks` compare equal. A tree of masks or `float0`
+    gradients (leaves of other ranks) therefore has the value's tree structure.
+    """
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LeafRanks)
+
+    def __ne__(self, other: object) -> bool:
+        return not isinstance(other, LeafRanks)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+def leaf_ranks(children: list) -> LeafRanks:
+    """The rank of each leaf of `children` (implicit arrays whole), in order."""
+    ranks = []
+    for child in children:
+        shape = getattr(child, "shape", None)
+        if shape is not None:
+            ranks.append(len(shape))
+            continue
+        for leaf in jax.tree_util.tree_leaves(child, is_leaf=_is_implicit):
+            shape = getattr(leaf, "shape", None)
+            ranks.append(len(shape) if shape is not None else int(np.ndim(leaf)))
+    return LeafRanks(ranks)
+
+
+def undeclared_layout(obj: ImplicitBase, children: list, ranks: tuple) -> None:
+    """Shape and batch dimensions of `obj`, of a type that declares nothing, rebuilt by
+    a pytree unflattening from `children` whose leaves had the per-example `ranks`.
+
+    Leaves with the same extra leading dimensions: a stack of examples (`vmap`'s output,
+    `jnp.stack` over a `tree_map`), or a stack sliced along its stacked dimensions (a
+    `lax.scan` row); the shape follows. Leaves sliced otherwise (`vmap`'s input, a
+    `tree_map` indexing them): one new example, whose shape is derived as for a new
+    instance (see `_example_shape`).
+    """
+    d = obj.__dict__
+    shape, nb = d["shape"], d[NB]
+    found = None
+    example = False
+    i = 0
+    for child in children:
+        shape_of = getattr(child, "shape", None)
+        leaves = (
+            (child,)
+            if shape_of is not None
+            else jax.tree_util.tree_leaves(child, is_leaf=_is_implicit)
+        )
+        for leaf in leaves:
+            leaf_shape = getattr(leaf, "shape", None)
+            rank = ranks[i] if i < len(ranks) else None
+            i += 1
+            if leaf_shape is None or rank is None:
+                continue
+            n = len(leaf_shape) - rank
+            if n < 0 or (found is not None and tuple(leaf_shape[:n]) != found):
+                example = True
+                break
+            found = tuple(leaf_shape[:n])
+        if example:
+            break
+    if example or i != len(ranks):
+        d[NB] = 0
+        d.pop(STACKED, None)
+        d["shape"] = _example_shape(obj, shape)
+        return
+    if found is None or shape is None or nb is None:
+        return  # placeholders (JAX unflattens trees of axes and sentinels)
+    if len(found) != nb or shape[:nb] != found:
+        d["shape"], d[NB] = (*found, *shape[nb:]), len(found)
+    if d[NB]:
+        d[STACKED] = ranks
+    else:
+        d.pop(STACKED, None)
+
+
+def _example_shape(obj: ImplicitBase, shape: Any) -> Any:
+    """The shape of a new example `obj` built from pytree-sliced leaves.
+
+    `compute_shape()` (or `default_shape`) if the type gives one; else the shape of
+    `materialize()`, which sees the shape of the value that was sliced first (a type
+    whose `materialize` fills `self.shape` keeps it, as in the original Qax) and that
+    shape without its leading dimension second; else the shape of the value sliced.
+    """
+    compute = getattr(obj, "compute_shape", None)
+    own = compute() if compute is not None else None
+    if own is not None:
+        return tuple(int(d) for d in own)
+    if shape is None:
+        return None
+    leaves = jax.tree_util.tree_leaves([getattr(obj, n) for n in _child_names(obj)])
+    try:
+        avals = tuple(_abstract(leaf) for leaf in leaves)
+    except TypeError:
+        return shape
+    for candidate in (tuple(shape), tuple(shape[1:])):
+        probe = rebuild(obj, {}, candidate, 0)
+        found = _materialized_shape(jax.tree_util.tree_structure(probe), avals)
+        if found is not None:
+            return found
+    return shape
+
+
+def _child_names(obj: ImplicitBase) -> tuple[str, ...]:
+    return fields_of(type(obj)).children
+
+
+def _abstract(leaf: Any) -> tuple:
+    shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+    if shape is None or dtype is None:
+        aval = jax.typeof(leaf)
+        shape, dtype = aval.shape, aval.dtype
+    weak = bool(getattr(getattr(leaf, "aval", None), "weak_type", False))
+    return (tuple(shape), np.dtype(dtype), weak)
+
+
+@functools.lru_cache(maxsize=1024)
+def _materialized_shape(tree: Any, avals: tuple) -> tuple | None:
+    """The shape of `materialize()` of the value with treedef `tree` and leaves of
+    `avals`, or None if it fails."""
+    structs = [jax.ShapeDtypeStruct(s, d, weak_type=w) for s, d, w in avals]
+
+    def run(*leaves):
+        return materialize_nested(jax.tree_util.tree_unflatten(tree, leaves), full=True)
+
+    token = quiet_materialization.set(True)
+    try:
+        return tuple(jax.eval_shape(run, *structs).shape)
+    except Exception:  # noqa: BLE001 (any failure means "not this shape")
+        return None
+    finally:
+        quiet_materialization.reset(token)
+
+
+def _child_to_elt(cont: Callable, y: Any, axis: int) -> Any:
+    """`cont(y, axis)` for a part `y` of a declared value; a nested implicit array of a
+    type that declares nothing is a pytree for `vmap`, sliced leaf by leaf only along
+    the dimensions its leaves were stacked on."""
+    if not _is_implicit(y) or batchable(type(y)):
+        return cont(y, axis)
+    if sliceable(y, axis):
+        return jax.tree_util.tree_map(lambda leaf: cont(leaf, axis), y)
+    return cont(densify(y, "vmap", undeclared_reason("vmap", "maps", y, axis)), axis)
+
+
+def _child_from_elt(cont: Callable, axis_size: int, y: Any, axis: int | None) -> Any:
+    """`cont(axis_size, y, axis)` for a part `y` of a declared value (see
+    `_child_to_elt`)."""
+    if not _is_implicit(y) or batchable(type(y)):
+        return cont(axis_size, y, axis)
+    if axis is None or axis <= (y.__dict__.get(NB) or 0):
+        return jax.tree_util.tree_map(lambda leaf: cont(axis_size, leaf, axis), y)
+    reason = undeclared_reason("vmap", "stacks its outputs of type", y, axis)
+    return cont(axis_size, densify(y, "vmap", reason), axis)
 
 
 def _canonical_axis(axis: Any, ndim: int, x: ImplicitBase) -> int:
@@ -410,7 +594,10 @@ def _canonical_axis(axis: Any, ndim: int, x: ImplicitBase) -> int:
 
 
 def register_batching(cls: type) -> None:
-    register_vmappable(cls, _to_elt, _from_elt)
+    """Make `vmap` slice and stack `cls` as it declares; a type that declares nothing
+    stays a plain pytree for `vmap` (see `undeclared_layout`)."""
+    if batchable(cls):
+        register_vmappable(cls, _to_elt, _from_elt)
 
 
 # ----------------------------------------------------------------------------------------
@@ -427,8 +614,16 @@ def per_element(fn: Callable[[ImplicitBase], Any], x: ImplicitBase) -> Any:
     def one(*children):
         return fn(rebuild(x, dict(zip(names, children, strict=True)), shape, nb - 1))
 
+    values = [_map_child(v, _sliceable_along_0) for v in values]
     axes = [None if v is None else 0 for v in values]
     return jax.vmap(one, in_axes=axes)(*values)
+
+
+def _sliceable_along_0(y: Any) -> Any:
+    """`y`, materialized if it is implicit, declares nothing and is not a stack."""
+    if not _is_implicit(y) or batchable(type(y)) or sliceable(y, 0):
+        return y
+    return densify(y, "vmap", undeclared_reason("vmap", "maps", y, 0))
 
 
 def slice_template(x: ImplicitBase) -> ImplicitBase:

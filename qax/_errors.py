@@ -144,3 +144,12 @@ here. Fields are readable outside the wrapped function, and inside handlers \
 (`@qax.primitive_handler`) and `materialize()`, which receive the {cls} itself: read \
 `x.{name}` before the call and pass it as an argument, or write a handler for the \
 operation."""
+
+STACKED_UNDECLARED = (
+    "This {cls} holds {n} examples stacked by `jax.vmap`, and {cls} does not declare "
+    "how its fields carry batch axes, so its handlers (written for one example) cannot "
+    "take it: it is materialized, one example at a time. Declare batch axes with "
+    "`qax.array_field(ndim=...)` to keep it implicit, or apply the `vmap` around "
+    "`qax.use_implicit_args` (`jax.vmap(qax.use_implicit_args(f))`) so that `f` sees "
+    "one example."
+)

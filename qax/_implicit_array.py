@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from . import _integrations, _outside
-from ._base import ImplicitBase, check_declared_avals, quiet_materialization
+from ._base import STACKED, ImplicitBase, check_declared_avals, quiet_materialization
 from ._batching import (
     AUX,
     NB,
@@ -22,8 +22,10 @@ from ._batching import (
     check_batch,
     fields_of,
     leaf_batch_shape,
+    leaf_ranks,
     per_element,
     register_batching,
+    undeclared_layout,
 )
 from ._compat import (
     ShapedArray,
@@ -71,15 +73,24 @@ def _pytree_functions(cls: type) -> tuple[Callable, Callable, Callable]:
     fields = fields_of(cls)
     names, aux_names, ndims = fields.children, fields.aux, fields.ndims
     keys = tuple(jax.tree_util.GetAttrKey(n) for n in names)
-    # Only a type that declares its fields' ranks gets its batch shape from its leaves
-    # (after `vmap`, `scan` or a `tree_map` sliced or stacked them); any other keeps
-    # the shape it had when it was flattened.
+    # A type that declares its fields' ranks gets its batch shape from its leaves (after
+    # `vmap`, `scan` or a `tree_map` sliced or stacked them); one that declares nothing
+    # records its leaves' ranks in the aux data and compares them (`undeclared_layout`).
     declared = fields.declared and bool(names)
     dynamic = fields.dynamic
 
-    def aux_data(d: dict) -> tuple:
-        aux = tuple([d[n] for n in aux_names]) if aux_names else ()
-        return (aux, d["shape"], d["dtype"], d.get(NB, 0))
+    if declared or not names:
+
+        def aux_data(d: dict) -> tuple:
+            aux = tuple([d[n] for n in aux_names]) if aux_names else ()
+            return (aux, d["shape"], d["dtype"], d.get(NB, 0), None)
+
+    else:  # the leaves' ranks in one example: see `undeclared_layout`
+
+        def aux_data(d: dict) -> tuple:
+            aux = tuple([d[n] for n in aux_names]) if aux_names else ()
+            ranks = d.get(STACKED) or leaf_ranks([d[n] for n in names])
+            return (aux, d["shape"], d["dtype"], d.get(NB, 0), ranks)
 
     def flatten(x):
         d = x.__dict__
@@ -93,7 +104,7 @@ def _pytree_functions(cls: type) -> tuple[Callable, Callable, Callable]:
         obj = object.__new__(cls)
         d = obj.__dict__
         d.update(zip(names, children))
-        aux_values, shape, dtype, nb = aux_data
+        aux_values, shape, dtype, nb, ranks = aux_data
         if aux_names:
             d.update(zip(aux_names, aux_values))
         if declared and nb is not None and shape is not None:
@@ -103,6 +114,8 @@ def _pytree_functions(cls: type) -> tuple[Callable, Callable, Callable]:
             elif batch is not NO_ARRAYS and (len(batch) != nb or shape[:nb] != batch):
                 shape, nb = (*batch, *shape[nb:]), len(batch)
         d["shape"], d["dtype"], d[NB] = shape, dtype, nb
+        if ranks is not None:
+            undeclared_layout(obj, children, ranks)
         return obj
 
     return flatten, flatten_with_keys, unflatten

@@ -30,6 +30,7 @@ import plum
 from . import _dispatch, _errors, _mutable
 from ._base import (
     NB,
+    STACKED,
     ImplicitBase,
     check_declared_avals,
     is_implicit,
@@ -637,18 +638,22 @@ def apply_primitive(
     ):
         vals = [vals[1], vals[0]]
 
-    types = tuple(map(_dispatch.dispatch_type, vals))
-    handler = _dispatch.lookup(primitive, types)
-    if handler is not None:
-        kwargs = _dispatch.params_for(handler, primitive, params)
-        out = call_with_children(trace, handler, primitive, *vals, **kwargs)
-        if out is not NotImplemented:
-            _check_result(handler, primitive, vals, params, out)
-            return out
+    stacked = any(map(_stacked_examples, vals))
+    if not stacked:
+        types = tuple(map(_dispatch.dispatch_type, vals))
+        handler = _dispatch.lookup(primitive, types)
+        if handler is not None:
+            kwargs = _dispatch.params_for(handler, primitive, params)
+            out = call_with_children(trace, handler, primitive, *vals, **kwargs)
+            if out is not NotImplemented:
+                _check_result(handler, primitive, vals, params, out)
+                return out
 
     rule = structural_rules.get(primitive)
     if rule is not None:
         return rule(trace, primitive, vals, params)
+    if stacked:
+        return _unstacked_apply(trace, primitive, vals, params)
 
     cls = type(next(v for v in vals if isinstance(v, ImplicitBase)))
     if cls.default_handler.__func__ is not _BASE_DEFAULT_HANDLER:
@@ -658,6 +663,46 @@ def apply_primitive(
         if out is not NotImplemented:
             return out
     return materialize_and_bind(trace, primitive, vals, params)
+
+
+def _stacked_examples(v: Any) -> bool:
+    """Whether `v` is a stack of examples of a type that declares no batch axes."""
+    return isinstance(v, ImplicitBase) and bool(
+        STACKED in v.__dict__ and v.__dict__.get(NB)
+    )
+
+
+def _unstacked_apply(trace: ImplicitTrace, primitive: Primitive, vals, params):
+    """`apply_primitive` after materializing the operands that `vmap` stacked from
+    examples of a type that declares no batch axes: its handlers and `default_handler`
+    are written for one example."""
+    dense = []
+    for v in vals:
+        if _stacked_examples(v):
+            if not quiet_materialization.get():
+                reason = _errors.STACKED_UNDECLARED.format(
+                    cls=type(v).__name__, n=v.shape[0] if v.shape else 0
+                )
+                report(
+                    MaterializationEvent(
+                        primitive.name,
+                        type(v),
+                        v.shape,
+                        v.dtype,
+                        _source_line(),
+                        reason,
+                    )
+                )
+            v = materialize_one_layer(trace, v)
+        dense.append(v)
+    if any(isinstance(v, ImplicitBase) for v in dense):
+        return apply_primitive(trace, primitive, dense, params)
+    bind_params = primitive.get_bind_params(params)
+    with set_current_trace(trace):
+        out = primitive.bind(*map(trace.wrap, dense), **bind_params)
+    if primitive.multiple_results:
+        return [trace.to_value(o) for o in out]
+    return trace.to_value(out)
 
 
 # The base rule only says "materialize": classes that keep it skip the call.
@@ -1035,6 +1080,11 @@ def enter_current_trace(values: tuple) -> tuple | None:
     if _implicit_trace_below(trace):
         return tuple(box(v) if isinstance(v, ImplicitBase) else v for v in values)
     return None
+
+
+def implicit_args_active() -> bool:
+    """Whether code runs inside `use_implicit_args` (maybe under a transformation)."""
+    return _implicit_trace_below(current_trace())
 
 
 def _implicit_trace_below(trace: Trace) -> bool:
