@@ -197,6 +197,22 @@ def fields_of(cls: type) -> Fields:
     return cached
 
 
+def batch_ndim(x: Any) -> int | None:
+    """The number of leading batch dimensions of `x`: those its type declares
+    (`qax.array_field`) or that `vmap` stacked; 0 for a plain array.
+
+    None if its leaves no longer fit its type's declaration (sliced through an unbatched
+    dimension outside `use_implicit_args`).
+
+    >>> stacked = LoraMatrix(jnp.ones((4, 6, 5)), jnp.ones((4, 6, 2)), jnp.ones((4, 5, 2)))
+    >>> qax.utils.batch_ndim(stacked)
+    1
+    """
+    if not isinstance(x, ImplicitBase):
+        return 0
+    return x.__dict__.get(NB, 0)
+
+
 def batchable(cls: type) -> bool:
     """Whether values of `cls` may be sliced and stacked leaf by leaf."""
     return fields_of(cls).declared
@@ -334,6 +350,31 @@ def sliceable(x: ImplicitBase, axis: int) -> bool:
     if not fields.children:
         return True
     return axis < x.__dict__.get(NB, 0)
+
+
+def with_sliceable_parts(x: Any, axis: int, densify_part: Callable) -> Any:
+    """`x` with each implicit part (itself, or an implicit array nested in it) that
+    cannot be sliced along `axis` leaf by leaf replaced by `densify_part(part)`."""
+    if not _is_implicit(x):
+        return x
+    if not sliceable(x, axis):
+        return densify_part(x)
+    old = _children(x)
+    new = {
+        n: _map_child(c, lambda y: with_sliceable_parts(y, axis, densify_part))
+        for n, c in old.items()
+    }
+    if all(
+        a is b
+        for n in old
+        for a, b in zip(
+            jax.tree_util.tree_leaves(old[n], is_leaf=_is_implicit),
+            jax.tree_util.tree_leaves(new[n], is_leaf=_is_implicit),
+            strict=False,
+        )
+    ):
+        return x
+    return rebuild(x, new, x.shape, x.__dict__.get(NB, 0))
 
 
 def _children(x: ImplicitBase) -> dict:

@@ -40,10 +40,10 @@ from ._batching import (
     densify,
     rebuild,
     slice_template,
-    sliceable,
     stack_like,
     stackable,
     undeclared_reason,
+    with_sliceable_parts,
 )
 from ._compat import (
     CALL_JAXPR_P,
@@ -775,12 +775,14 @@ def _loop(
 
 
 def _scannable(trace, x: Any) -> Any:
-    """`x`, materialized if it is implicit and cannot be sliced along axis 0 leaf by leaf
-    (its type does not declare batch axes, or axis 0 is not one of them)."""
-    if not isinstance(x, ImplicitBase) or sliceable(x, 0):
-        return x
-    reason = undeclared_reason("lax.scan", "slices", x, 0)
-    return _densify_parent(trace, x, "scan", reason)
+    """`x` with the implicit parts that cannot be sliced along axis 0 leaf by leaf (their
+    type does not declare batch axes, or axis 0 is not one of them) materialized."""
+
+    def densify_part(part):
+        reason = undeclared_reason("lax.scan", "slices", part, 0)
+        return _densify_parent(trace, part, "scan", reason)
+
+    return with_sliceable_parts(x, 0, densify_part)
 
 
 def _stackable_ys(n_carry: int, loop: str) -> Callable[[list], list]:

@@ -87,6 +87,16 @@ _BAD_FACTORS = (
 )
 
 
+_BATCHED_BASE = (
+    "LoraWeight: `w` is a {cls} of shape {w} with {k} batch dimension(s), but the "
+    "factors stack {nb} weight(s) along {nb} leading dimension(s) (a {a}, b {b}). A "
+    "stacked LoraWeight needs a `w` stacked the same way, so that slicing a layer "
+    "slices both. For a quantized stack, quantize each layer on its own: "
+    "`qax.quant.quantize(params, ..., batch_ndim={nb})`, then "
+    "`qax.lora.loraify(..., batch_ndim={nb})`."
+)
+
+
 def _shape(x: Any) -> tuple[int, ...]:
     return tuple(int(d) for d in jnp.shape(x))
 
@@ -154,6 +164,13 @@ class LoraWeight(qax.ImplicitArray):
             )
         if not ok:
             raise ValueError(_BAD_FACTORS.format(w=w, a=a, b=b))
+        k = qax.utils.batch_ndim(self.w)
+        if isinstance(self.w, qax.ImplicitArray) and k is not None and k != nb:
+            raise ValueError(
+                _BATCHED_BASE.format(
+                    cls=type(self.w).__name__, w=w, k=k, nb=nb, a=a, b=b
+                )
+            )
         if self.alpha is not None:
             object.__setattr__(self, "alpha", float(self.alpha))
         self.w_ndim, self.a_ndim, self.b_ndim = len(w) - nb, len(a) - nb, len(b) - nb

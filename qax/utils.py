@@ -1,5 +1,6 @@
 """Training and tree utilities: optax helpers, `vmap_all_but_one`, implicit-aware trees."""
 
+from ._batching import batch_ndim as batch_ndim
 from ._interpreter import materialize_nested as materialize_nested
 from ._optax import apply_updates as apply_updates
 from ._optax import freeze_keys as freeze_keys
@@ -25,6 +26,7 @@ from ._vmap import vmap_all_but_one as vmap_all_but_one
 __all__ = [
     "EmptyNode",
     "apply_updates",
+    "batch_ndim",
     "flatten_one_implicit_layer",
     "freeze_keys",
     "freeze_subtrees",

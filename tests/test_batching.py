@@ -413,3 +413,57 @@ def test_ranks_held_by_an_aux_field():
 
             def materialize(self):
                 return self.x
+
+
+# ----------------------------------------------------------------------------------------
+# Nested batch declarations that do not line up
+
+
+@dataclass
+class Offset(qax.ImplicitArray):
+    """A declared type whose `base` may be implicit (a quantized stack)."""
+
+    base: qax.ArrayValue = qax.array_field(ndim=2)
+    bias: qax.ArrayValue = qax.array_field(ndim=1)
+
+    def materialize(self):
+        return qax.materialize_nested(self.base) + self.bias[..., None, :]
+
+
+def test_scan_materializes_a_nested_part_that_is_not_stacked_like_its_parent():
+    stack = jax.random.normal(KEY, (3, 64, 64))
+    # quantized as one 3-d weight (no batch_ndim): its leaves do not lead with layers
+    base = qax.quant.quantize(stack, "int8")
+    assert qax.utils.batch_ndim(base) == 0
+    value = Offset(base, jnp.ones((3, 64)))
+    assert qax.utils.batch_ndim(value) == 1
+    x = jax.random.normal(KEY, (5, 64))
+
+    def f(p):
+        return lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p)[0]
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", qax.MaterializationWarning)
+        got = qax.use_implicit_args(f)(value)
+    assert any("Int8Weight" in str(w.message) for w in seen), [str(w) for w in seen]
+    want = f(qax.materialize_nested(value, full=True))
+    assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_loraify_refuses_a_stacked_lora_around_a_weight_quantized_as_one():
+    params = {"w": jax.random.normal(KEY, (3, 64, 64))}
+    whole = qax.quant.quantize(params, "nf4")
+    with pytest.raises(ValueError, match=r"quantize\(params, \.\.\., batch_ndim=1\)"):
+        qax.lora.loraify(whole, rank=2, key=KEY, batch_ndim=1)
+    # quantized per layer, it stacks and scans, implicitly
+    per_layer = qax.quant.quantize(params, "nf4", batch_ndim=1)
+    lora_params = qax.lora.loraify(per_layer, rank=2, key=KEY, batch_ndim=1)
+    x = jax.random.normal(KEY, (5, 64))
+
+    def f(p):
+        return lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["w"])[0]
+
+    got = qax.use_implicit_args(f)(lora_params)
+    assert_close(
+        got, f(qax.materialize_nested(lora_params, full=True)), rtol=1e-4, atol=1e-4
+    )
