@@ -5,6 +5,7 @@ under `jax.jit`. Unexpected materialization is an error (see setup.cfg).
 """
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -764,3 +765,57 @@ def test_symbolic_constants_through_control_flow():
         assert isinstance(ys, SymbolicConstant) and ys.shape == (5, 4)
         assert isinstance(same, SymbolicConstant) and same.value == 2.0
         assert_close(c, jnp.ones(4))
+
+
+# ----------------------------------------------------------------------------------------
+# Loop carries whose implicit structure changes reach a fixed point (materialized)
+
+_LOOPS = {
+    "scan": lambda body, c: lax.scan(lambda c, _: (body(c), None), c, None, length=3)[0],
+    "fori_loop": lambda body, c: lax.fori_loop(0, 3, lambda i, c: body(c), c),
+    "while_loop": lambda body, c: lax.while_loop(
+        lambda ic: ic[0] < 3, lambda ic: (ic[0] + 1, body(ic[1])), (0, c)
+    )[1],
+}
+
+
+def _symbolic_zero_lora():
+    from qax.symbols import SymbolicConstant
+
+    k1, k2 = jax.random.split(jax.random.PRNGKey(5))
+    w = SymbolicConstant(0.0, shape=(4, 3), dtype=jnp.float32)
+    return qax.lora.LoraWeight(
+        w, jax.random.normal(k1, (4, 2)), jax.random.normal(k2, (2, 3))
+    )
+
+
+_CARRIES = {
+    # SymbolicConstant(0.0) -> SymbolicConstant(1.0) -> ...: the value is static
+    "constant_plus_one": (
+        lambda: qax.symbols.SymbolicConstant(0.0, shape=(3,), dtype=jnp.float32),
+        lambda c: c + 1.0,
+    ),
+    "constant_to_dense": (
+        lambda: qax.symbols.SymbolicConstant(0.0, shape=(3,), dtype=jnp.float32),
+        lambda c: c + jnp.arange(3.0),
+    ),
+    "lora_symbolic_w_plus_one": (_symbolic_zero_lora, lambda c: c + 1.0),
+    "lora_symbolic_w_sin": (_symbolic_zero_lora, jnp.sin),
+}
+
+
+@pytest.mark.parametrize("loop", list(_LOOPS))
+@pytest.mark.parametrize("case", list(_CARRIES))
+def test_loop_carry_changing_structure_runs_with_the_dense_answer(loop, case):
+    make, body = _CARRIES[case]
+    carry = make()
+
+    def f(c):
+        return _LOOPS[loop](body, c)
+
+    for run in (qax.use_implicit_args(f), jax.jit(qax.use_implicit_args(f))):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always", qax.MaterializationWarning)
+            got = run(carry)
+        assert any("carry" in str(w.message) for w in seen)
+        assert_close(dense(got), f(dense(carry)))
