@@ -771,7 +771,9 @@ def test_symbolic_constants_through_control_flow():
 # Loop carries whose implicit structure changes reach a fixed point (materialized)
 
 _LOOPS = {
-    "scan": lambda body, c: lax.scan(lambda c, _: (body(c), None), c, None, length=3)[0],
+    "scan": lambda body, c: lax.scan(lambda c, _: (body(c), None), c, None, length=3)[
+        0
+    ],
     "fori_loop": lambda body, c: lax.fori_loop(0, 3, lambda i, c: body(c), c),
     "while_loop": lambda body, c: lax.while_loop(
         lambda ic: ic[0] < 3, lambda ic: (ic[0] + 1, body(ic[1])), (0, c)

@@ -1,5 +1,7 @@
 """`qax.testing.check_handler` catches wrong handlers and passes right ones."""
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -182,3 +184,25 @@ def test_tolerances_can_be_set():
     w = make_lora(KEYS[1], 5, 7, cls=ForgetsLowRank)
     with pytest.raises(HandlerCheckError, match="rtol=1e-09"):
         check_handler("dot_general", X, w, rtol=1e-9, atol=0.0, **MATMUL)
+
+
+@dataclass
+class PlainShift(qax.ImplicitArray):
+    """No batch declaration: `vmap` hands its handlers one example at a time."""
+
+    x: qax.ArrayValue
+    c: qax.ArrayValue
+
+    def materialize(self):
+        return self.x + self.c
+
+
+@qax.primitive_handler("mul")
+def plain_shift_mul(primitive, a: PlainShift, b: jax.Array):
+    return a.x * b + a.c * b
+
+
+def test_types_that_declare_nothing_are_checked_under_vmap_too():
+    value = PlainShift(jax.random.normal(KEYS[0], (3, 4)), jnp.asarray(0.5))
+    result = check_handler("mul", value, jax.random.normal(KEYS[1], (3, 4)))
+    assert dict(result.checks)["vmap"] == "passed"
