@@ -58,6 +58,14 @@ _UNDECLARED = (
     "`w: qax.ArrayValue = qax.array_field(ndim=2)`); leading dimensions beyond that are "
     "batch dimensions."
 )
+_NOT_A_BATCH_AXIS = (
+    "`{primitive}` {action} {cls} along axis {axis}, but this {cls} has {nb} batch "
+    "dimension(s) (the leading dimensions of its fields beyond their declared ranks), "
+    "and axis {axis} is not one of them, so it is materialized. To keep it implicit, "
+    "build it with that axis as a batch axis: for stacked layers, "
+    "`qax.lora.loraify(..., batch_ndim=1)` and `qax.quant.quantize(..., batch_ndim=1)`; "
+    "for your own type, stack fields of the declared ranks."
+)
 
 
 def array_field(
@@ -393,10 +401,15 @@ def _map_child(child: Any, fn: Callable[[Any], Any]) -> Any:
 
 def undeclared_reason(primitive: str, action: str, x: ImplicitBase, axis: int) -> str:
     cls = type(x)
-    if not batchable(cls):
-        why = "its type does not declare how its fields carry batch axes"
-    else:
-        why = f"axis {axis} is not a batch axis of its fields"
+    if batchable(cls) or x.__dict__.get(NB):
+        return _NOT_A_BATCH_AXIS.format(
+            primitive=primitive,
+            action=action,
+            cls=cls.__name__,
+            axis=axis,
+            nb=x.__dict__.get(NB) or 0,
+        )
+    why = "its type does not declare how its fields carry batch axes"
     return _UNDECLARED.format(
         primitive=primitive, action=action, cls=cls.__name__, axis=axis, why=why
     )
