@@ -403,7 +403,9 @@ def _jit_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list
     if baked:  # drop the baked operands' entries from the per-operand parameters
         kept = [i not in baked for i in range(len(vals))]
         per_operand = ("donated_invars", "in_shardings", "in_layouts")
-        params |= {n: tuple(itertools.compress(params[n], kept)) for n in per_operand}
+        params = params | {
+            n: tuple(itertools.compress(params[n], kept)) for n in per_operand
+        }
 
     def sharding(p, value):
         return _leaf_shardings(p, value, UNSPECIFIED, "jit shardings")

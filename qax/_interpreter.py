@@ -231,6 +231,9 @@ def report(event: MaterializationEvent) -> None:
 
 
 def replay(events: list[MaterializationEvent]) -> None:
+    """Report again the events of a cached body that runs again (unless quiet)."""
+    if quiet_materialization.get():
+        return
     for event in events:
         report(event)
 

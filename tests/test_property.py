@@ -245,6 +245,15 @@ def assert_same(got, want, what):
     )
 
 
+def dense_or_reject(fn, *args):
+    """`fn(*args)` for the dense program; a program JAX rejects does not count (reverse
+    differentiation of a `while_loop`)."""
+    try:
+        return fn(*args)
+    except (TypeError, ValueError):
+        hypothesis.reject()
+
+
 OUTER = ["none", "jit", "grad_y", "grad_leaves", "vmap_outside"]
 
 
@@ -292,8 +301,8 @@ def test_random_programs_match_the_materialized_computation(kind, seed, program,
             def loss(fn):
                 return lambda x, y: jnp.sum(jnp.cos(dense(fn(x, y))))
 
+            want = dense_or_reject(jax.grad(loss(f), argnums=1), dense(x), y)
             got = jax.grad(loss(qax.use_implicit_args(f)), argnums=1)(x, y)
-            want = jax.grad(loss(f), argnums=1)(dense(x), y)
             assert_same(got, want, what)
         else:
             leaves, tree = jax.tree_util.tree_flatten(x)
@@ -309,8 +318,8 @@ def test_random_programs_match_the_materialized_computation(kind, seed, program,
 
                 return of_leaves
 
+            want = dense_or_reject(jax.grad(loss(f, True)), leaves)
             got = jax.grad(loss(qax.use_implicit_args(f), False))(leaves)
-            want = jax.grad(loss(f, True))(leaves)
             for g_leaf, w_leaf in zip(got, want, strict=True):
                 assert_same(g_leaf, w_leaf, what)
 
