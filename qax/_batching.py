@@ -17,15 +17,17 @@ The numbers of batch dimensions is cached on each instance (`NB`); `None` there 
 that the leaves do not fit the declaration (e.g. they were sliced through an unbatched
 dimension by a `tree_map` or a `lax.scan` outside `use_implicit_args`).
 
-Outside `use_implicit_args`, `jax.vmap` gives a type that declares nothing JAX's pytree
-meaning instead: every leaf is mapped along the `in_axes` entry, each example is an
-instance rebuilt from the sliced leaves (its shape derived again), and an instance
-returned from the mapped function comes out *stacked*: its leaves gain a leading
-dimension, and it records the rank each leaf has in one example (`STACKED`), which
-serves as its declaration from then on (it is sliced, scanned and materialized one
-example at a time along those dimensions). Its handlers, written for one example, never
-see it stacked: inside `use_implicit_args` it is materialized before a primitive
-reaches them.
+A type that declares nothing is not registered with `vmap`: `vmap` (outside
+`use_implicit_args`, or on such a value built inside it) treats it as JAX treats any
+pytree, as the original Qax did: every leaf is mapped along the `in_axes` entry, each
+example is an instance rebuilt from the sliced leaves (its shape derived again), and an
+instance returned from the mapped function comes out *stacked*: its leaves gain a
+leading dimension. The ranks of its leaves in one example travel in its aux data
+(`LeafRanks`), so that unflattening tells a stack from an example; a stack records them
+(`STACKED`) and is sliced, scanned and materialized one example at a time along its
+stacked dimensions. Its handlers, written for one example, never see a stack: inside
+`use_implicit_args` it is materialized before a primitive reaches them. (Arguments of
+`use_implicit_args` are tracers there, which `vmap` batches as the arrays they are.)
 """
 
 from __future__ import annotations
@@ -567,7 +569,10 @@ def _example_shape(obj: ImplicitBase, shape: Any) -> Any:
     shape without its leading dimension second; else the shape of the value sliced.
     """
     compute = getattr(obj, "compute_shape", None)
-    own = compute() if compute is not None else None
+    try:
+        own = compute() if compute is not None else None
+    except Exception:  # noqa: BLE001 (written for other fields: try materialize())
+        own = None
     if own is not None:
         return tuple(int(d) for d in own)
     if shape is None:

@@ -271,3 +271,18 @@ def test_stacked_values_in_nested_vmaps_match_the_dense_stack():
     with pytest.warns(qax.MaterializationWarning):
         got = qax.use_implicit_args(lambda w: w @ y)(stacked)
     assert_close(got, want @ y, rtol=1e-4)
+
+
+def test_vmap_over_a_value_built_inside_maps_its_leaves_as_the_dense_program_does():
+    xs = jax.random.normal(KEY, (4, 3))
+    scales = jnp.arange(1.0, 5.0)
+
+    def f(xs, scales):
+        # `shape` given for one example, as the original Qax's types did
+        stack = Scaled(xs, scales, shape=(3,), dtype=jnp.float32)
+        return jax.vmap(lambda e: _dense(e * 2.0))(stack)
+
+    with pytest.warns(qax.MaterializationWarning, match="built inside `jax.vmap`"):
+        got = qax.use_implicit_args(f)(xs, scales)
+    assert_close(got, f(xs, scales))
+    assert_close(got, 2.0 * xs * scales[:, None])
