@@ -153,3 +153,12 @@ STACKED_UNDECLARED = (
     "`qax.use_implicit_args` (`jax.vmap(qax.use_implicit_args(f))`) so that `f` sees "
     "one example."
 )
+
+CONSTRUCTED_CARRY = (
+    "qax: an implicit array in this loop carry (or `cond` branch output) was built inside "
+    "the function wrapped with `qax.use_implicit_args` (or outside it), so JAX's loop "
+    "and `cond` functions see it as a plain pytree, whose structure must stay the same. "
+    "Pass it to the wrapped function as an argument instead (or compute it from one): "
+    "qax then materializes the parts of a carry whose implicit structure changes, with a "
+    "`MaterializationWarning`, as it does for `cond` branches."
+)

@@ -999,6 +999,7 @@ def use_implicit_args(f: Callable) -> Callable:
         except Exception as e:
             _raise_if_half_built(leaves, e)
             _show_once(e)
+            _note_structure_error(e)
             raise
         finally:
             check_declared_avals.reset(token)
@@ -1031,6 +1032,21 @@ def _show_once(error: Exception) -> None:
     ):
         error.__cause__ = None
         error.__suppress_context__ = True
+
+
+def _note_structure_error(error: Exception) -> None:
+    """Add the cause and the fix to JAX's error for a loop carry (or `cond` branches)
+    whose pytree structure changes, when an implicit type is part of it."""
+    message = str(error)
+    if not isinstance(error, TypeError) or "pytree structure" not in message:
+        return
+    names, todo = set(), [ImplicitBase]
+    while todo:
+        for cls in todo.pop().__subclasses__():
+            names.add(cls.__name__)
+            todo.append(cls)
+    if any(f".{name}'" in message or f" {name} " in message for name in names):
+        error.add_note(_errors.CONSTRUCTED_CARRY)
 
 
 _eager = threading.local()

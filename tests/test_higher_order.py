@@ -821,3 +821,33 @@ def test_loop_carry_changing_structure_runs_with_the_dense_answer(loop, case):
             got = run(carry)
         assert any("carry" in str(w.message) for w in seen)
         assert_close(dense(got), f(dense(carry)))
+
+
+@pytest.mark.parametrize("loop", list(_LOOPS))
+def test_a_constructed_carry_changing_structure_gets_the_cause_and_the_fix(loop):
+    # Built inside the wrapped function, the carry is a plain pytree to JAX's loops,
+    # which refuse a structure change before qax sees the loop: the error says so.
+    def f(x):
+        init = qax.symbols.SymbolicConstant(0.0, shape=(3,), dtype=jnp.float32)
+        return _LOOPS[loop](lambda c: c + x, init)
+
+    with pytest.raises(TypeError, match="pytree structure") as info:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", qax.MaterializationWarning)
+            qax.use_implicit_args(f)(jnp.arange(3.0))
+    assert any("as an argument" in note for note in info.value.__notes__)
+    # passed in as an argument, the same loop runs, with the dense answer
+    g = qax.use_implicit_args(lambda init, x: _LOOPS[loop](lambda c: c + x, init))
+    init = qax.symbols.SymbolicConstant(0.0, shape=(3,), dtype=jnp.float32)
+    with pytest.warns(qax.MaterializationWarning, match="carry"):
+        got = g(init, jnp.arange(3.0))
+    assert_close(got, 3.0 * jnp.arange(3.0))
+
+
+def test_an_unrelated_structure_error_gets_no_note():
+    def f(x):
+        return lax.scan(lambda c, _: ((c, c), None), x, None, length=2)
+
+    with pytest.raises(TypeError, match="pytree structure") as info:
+        qax.use_implicit_args(f)(jnp.ones(3))
+    assert not any("qax:" in n for n in getattr(info.value, "__notes__", []))
