@@ -700,12 +700,7 @@ def _unstacked_apply(trace: ImplicitTrace, primitive: Primitive, vals, params):
         dense.append(v)
     if any(isinstance(v, ImplicitBase) for v in dense):
         return apply_primitive(trace, primitive, dense, params)
-    bind_params = primitive.get_bind_params(params)
-    with set_current_trace(trace):
-        out = primitive.bind(*map(trace.wrap, dense), **bind_params)
-    if primitive.multiple_results:
-        return [trace.to_value(o) for o in out]
-    return trace.to_value(out)
+    return _bind_dense(trace, primitive, dense, params)
 
 
 # The base rule only says "materialize": classes that keep it skip the call.
@@ -725,6 +720,11 @@ def materialize_and_bind(trace: ImplicitTrace, primitive: Primitive, vals, param
                 )
             v = materialize_one_layer(trace, v)
         dense.append(v)
+    return _bind_dense(trace, primitive, dense, params)
+
+
+def _bind_dense(trace: ImplicitTrace, primitive: Primitive, dense: list, params):
+    """Bind `primitive` on operands that are no longer implicit, on `trace`."""
     bind_params = primitive.get_bind_params(params)
     with set_current_trace(trace):
         out = primitive.bind(*map(trace.wrap, dense), **bind_params)
