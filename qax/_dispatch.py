@@ -299,3 +299,27 @@ def default_handler(primitive: Primitive | str, *args: Any, **params: Any) -> An
                 "pass `x.materialize()`."
             )
     return primitive.bind(*args, **primitive.get_bind_params(params))
+
+
+# ----------------------------------------------------------------------------------------
+# Rule tables
+#
+# How the interpreter runs a primitive that carries a function (`jit`, `scan`, `cond`,
+# ...) or only annotates a value (`pvary`, `name`, ...): rules that work on the implicit
+# values as wholes, never materializing them. Declared here, filled by `qax._rules`
+# beside each rule. One signature per table:
+
+PrimitiveRule = Callable[..., Any]
+"""``rule(trace, primitive, vals, params) -> out``: a primitive bound with `bind`."""
+FunctionRule = Callable[..., list]
+"""``rule(trace, primitive, fun, vals, params) -> outs``: a primitive that JAX hands its
+body as a function (`call` on JAX 0.10, `shard_map`)."""
+CustomJvpRule = Callable[..., list]
+"""``rule(trace, primitive, fun, jvp, vals, *, symbolic_zeros) -> outs``."""
+CustomVjpRule = Callable[..., list]
+"""``rule(trace, primitive, fun, fwd, bwd, vals, *, out_trees, symbolic_zeros) -> outs``."""
+
+primitive_rules: dict[Primitive, PrimitiveRule] = {}
+function_rules: dict[Primitive, FunctionRule] = {}
+custom_jvp_rules: dict[Primitive, CustomJvpRule] = {}
+custom_vjp_rules: dict[Primitive, CustomVjpRule] = {}

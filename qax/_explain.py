@@ -324,7 +324,7 @@ def _policy_now(primitive: Primitive, cls: type) -> tuple[str, str]:
 
 
 def _fallback(primitive, implicit, policies) -> tuple[str, ...]:
-    if primitive in _interpreter.structural_rules:
+    if primitive in _dispatch.primitive_rules:
         return (
             f"the structural rule for {primitive.name} runs its body on the implicit "
             "values (it materializes nothing itself)",

@@ -92,7 +92,6 @@ from ._interpreter import (
     holding_reports,
     materialize_nested,
     replay,
-    structural_rules,
     sub_trace,
 )
 from ._partition import Undeclared, child_specs, first_undeclared, leaf_specs
@@ -1485,18 +1484,18 @@ def _leafwise_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) ->
 
 # ----------------------------------------------------------------------------------------
 
-structural_rules[primitives_module.jit_p] = _jit_rule
-structural_rules[jax.lax.cond_p] = _cond_rule
-structural_rules[jax.lax.scan_p] = _scan_rule
-structural_rules[jax.lax.while_p] = _while_rule
-structural_rules[primitives_module.remat_p] = _remat_rule
+_dispatch.primitive_rules[primitives_module.jit_p] = _jit_rule
+_dispatch.primitive_rules[jax.lax.cond_p] = _cond_rule
+_dispatch.primitive_rules[jax.lax.scan_p] = _scan_rule
+_dispatch.primitive_rules[jax.lax.while_p] = _while_rule
+_dispatch.primitive_rules[primitives_module.remat_p] = _remat_rule
 for _primitive in CALL_PRIMITIVES:
-    structural_rules[_primitive] = _call_rule
+    _dispatch.function_rules[_primitive] = _call_rule
 if CALL_JAXPR_P is not None:
-    structural_rules[CALL_JAXPR_P] = _eval_jaxpr_rule
-structural_rules[primitives_module.custom_jvp_call_p] = _custom_jvp_rule
-structural_rules[primitives_module.custom_vjp_call_p] = _custom_vjp_rule
+    _dispatch.primitive_rules[CALL_JAXPR_P] = _eval_jaxpr_rule
+_dispatch.custom_jvp_rules[primitives_module.custom_jvp_call_p] = _custom_jvp_rule
+_dispatch.custom_vjp_rules[primitives_module.custom_vjp_call_p] = _custom_vjp_rule
 if shard_map_p is not None:
-    structural_rules[shard_map_p] = _shard_map_rule
+    _dispatch.function_rules[shard_map_p] = _shard_map_rule
 for _primitive in (*_SINGLE, *_MULTI):
-    structural_rules[_primitive] = _leafwise_rule
+    _dispatch.primitive_rules[_primitive] = _leafwise_rule

@@ -72,9 +72,7 @@ _COMMUTATIVE = frozenset(
     p for p in (getattr(jax.lax, f"{n}_p", None) for n in COMMUTATIVE_OPS) if p
 )
 
-# Rules for primitives whose operands are functions of other operands (jit, scan, cond,
-# ...). Declared here, filled by `qax._higher_order`: rule(trace, primitive, vals, params).
-structural_rules: dict[Primitive, Callable[..., Any]] = {}
+_primitive_rules = _dispatch.primitive_rules
 
 
 # ----------------------------------------------------------------------------------------
@@ -339,7 +337,7 @@ class ImplicitTrace(Trace):
         if not implicit:  # operands straight from `bind`: already canonical
             if not (
                 self.created_implicit
-                and primitive in structural_rules
+                and primitive in _primitive_rules
                 and holds_created_implicit(params)
             ):
                 if primitive is _JIT and self.eager:
@@ -347,7 +345,7 @@ class ImplicitTrace(Trace):
                     if compiled is not None:
                         return compiled(*vals)
                 return bind_canonical(self.parent_trace, primitive, vals, params)
-            out = structural_rules[primitive](self, primitive, vals, params)
+            out = _primitive_rules[primitive](self, primitive, vals, params)
         else:
             out = apply_primitive(self, primitive, vals, params)
         if primitive.multiple_results:
@@ -375,14 +373,14 @@ class ImplicitTrace(Trace):
     def process_call(self, call_primitive, f, tracers, params):
         # (JAX 0.10's call primitives; later versions bind `eval_jaxpr` instead.)
         self._not_an_operator()
-        rule = structural_rules[call_primitive]
+        rule = _dispatch.function_rules[call_primitive]
         return rule(
             self, call_primitive, f, [self.to_value(t) for t in tracers], params
         )
 
     def process_custom_jvp_call(self, primitive, fun, jvp, tracers, *, symbolic_zeros):
         self._not_an_operator()
-        rule = structural_rules[primitive]
+        rule = _dispatch.custom_jvp_rules[primitive]
         vals = [self.to_value(t) for t in tracers]
         return rule(self, primitive, fun, jvp, vals, symbolic_zeros=symbolic_zeros)
 
@@ -390,7 +388,7 @@ class ImplicitTrace(Trace):
         self, primitive, fun, fwd, bwd, tracers, *, out_trees, symbolic_zeros
     ):
         self._not_an_operator()
-        rule = structural_rules[primitive]
+        rule = _dispatch.custom_vjp_rules[primitive]
         vals = [self.to_value(t) for t in tracers]
         return rule(
             self,
@@ -405,7 +403,7 @@ class ImplicitTrace(Trace):
 
     def process_shard_map(self, primitive, fun, tracers, **params):
         self._not_an_operator()
-        rule = structural_rules[primitive]
+        rule = _dispatch.function_rules[primitive]
         return rule(self, primitive, fun, [self.to_value(t) for t in tracers], params)
 
 
@@ -652,7 +650,7 @@ def apply_primitive(
                 _check_result(handler, primitive, vals, params, out)
                 return out
 
-    rule = structural_rules.get(primitive)
+    rule = _primitive_rules.get(primitive)
     if rule is not None:
         return rule(trace, primitive, vals, params)
     if stacked:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import qax
-from qax import _compat
+from qax import _compat, _dispatch
 
 PACKAGE = pathlib.Path(qax.__file__).parent
 
@@ -268,17 +268,16 @@ def test_scan_operand_counts():
 
 def test_inline_flag_tells_jnp_wrappers_from_user_jits(monkeypatch):
     """The `jit` binds that reach qax's rule: `jnp.sin` is inline, a user's jit not."""
-    from qax import _interpreter
 
     jit_p = _compat.primitives_module.jit_p
-    rule = _interpreter.structural_rules[jit_p]
+    rule = _dispatch.primitive_rules[jit_p]
     seen = []
 
     def spy(trace, primitive, vals, params):
         seen.append(_compat.is_inline_jit(params))
         return rule(trace, primitive, vals, params)
 
-    monkeypatch.setitem(_interpreter.structural_rules, jit_p, spy)
+    monkeypatch.setitem(_dispatch.primitive_rules, jit_p, spy)
     c = qax.symbols.SymbolicConstant(1.0, shape=(2,), dtype=jnp.float32)
     qax.use_implicit_args(jnp.sin)(c)
     assert seen == [True], _fix("is_inline_jit")
