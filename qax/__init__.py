@@ -10,19 +10,19 @@ from . import utils as utils
 from ._audit import materialization_audit as materialization_audit
 from ._audit import materialization_policy as materialization_policy
 from ._base import ImplicitBase as ImplicitBase
-from ._batching import array_field as array_field
 from ._dispatch import ArrayValue as ArrayValue
 from ._dispatch import default_handler as default_handler
 from ._dispatch import primitive_handler as primitive_handler
+from ._entry import materialize_nested as materialize_nested
+from ._entry import use_implicit_args as use_implicit_args
 from ._errors import HandlerError as HandlerError
 from ._errors import MaterializationError as MaterializationError
 from ._errors import MaterializationWarning as MaterializationWarning
 from ._errors import UninitializedAval as UninitializedAval
 from ._explain import explain as explain
+from ._fields import array_field as array_field
+from ._fields import aux_field as aux_field
 from ._implicit_array import ImplicitArray as ImplicitArray
-from ._implicit_array import aux_field as aux_field
-from ._interpreter import materialize_nested as materialize_nested
-from ._interpreter import use_implicit_args as use_implicit_args
 from ._optax import freeze_keys as freeze_keys
 from ._tree_util import EmptyNode as EmptyNode
 

@@ -1,7 +1,7 @@
 """Knowing what was materialized: `materialization_audit` and `materialization_policy`.
 
 Every time an implicit operand is densified because nothing handled a primitive, the
-interpreter calls `qax._interpreter.report` with a `MaterializationEvent`. This module
+interpreter calls `qax._report.report` with a `MaterializationEvent`. This module
 listens to those events (the audit) and decides what each one does (the policies).
 
 How a materialization is treated, "allow" | "warn" | "error", is decided per event:
@@ -27,11 +27,11 @@ from typing import Any, Literal
 
 import numpy as np
 
-from . import _interpreter
+from . import _report
 from ._base import ImplicitBase
 from ._compat import Primitive, in_backward_pass
 from ._dispatch import resolve_primitive
-from ._interpreter import MaterializationEvent
+from ._report import MaterializationEvent
 
 Policy = Literal["allow", "warn", "error"]
 _POLICIES = ("allow", "warn", "error")
@@ -85,10 +85,10 @@ def decide(event: MaterializationEvent) -> tuple[str, str]:
         if matching:
             rule = min(matching, key=lambda r: _specificity(r, event))
             return rule.policy, rule.describe()
-    return _interpreter.keyword_policy(event)
+    return _report.keyword_policy(event)
 
 
-_interpreter.decide_policy[0] = decide
+_report.set_policy(decide)
 
 
 def _target_key(target: Any) -> str | type:
@@ -244,7 +244,7 @@ class MaterializationAudit:
     def __enter__(self) -> MaterializationAudit:
         if self._listening is not None:
             raise RuntimeError("This audit is already open; start a new one instead.")
-        self._listening = _interpreter.listen(self._on_event)
+        self._listening = _report.listen(self._on_event)
         self._listening.__enter__()
         return self
 

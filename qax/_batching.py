@@ -32,7 +32,6 @@ stacked dimensions. Its handlers, written for one example, never see a stack: in
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -40,18 +39,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._base import NB, STACKED, ImplicitBase, quiet_materialization
+from ._base import NB, STACKED, ImplicitBase, is_implicit
 from ._compat import register_vmappable
-from ._interpreter import (
-    MaterializationEvent,
-    _source_line,
-    materialize_nested,
-    report,
-)
-
-AUX = "qax_aux"
-NDIM = "qax_ndim"
-FOLLOWS = "qax_follows"
+from ._entry import densify, materialize_nested
+from ._fields import batchable, children_of, fields_of, rebuild
+from ._report import quietly
 
 _UNDECLARED = (
     "`{primitive}` {action} {cls} along axis {axis}, but {why}, so it is materialized. "
@@ -70,288 +62,6 @@ _NOT_A_BATCH_AXIS = (
 )
 
 
-def array_field(
-    *,
-    ndim: int | str,
-    follows: tuple[int | None, ...] | None = None,
-    metadata: dict | None = None,
-    **kwargs: Any,
-) -> Any:
-    """A child field whose leaves have `ndim` dimensions in one unbatched array.
-
-    Declaring every array field this way lets `vmap`, `lax.scan` and `lax.map` slice and
-    stack the implicit array leaf by leaf (keeping it implicit): leading dimensions of a
-    leaf beyond `ndim` are batch dimensions, shared by all fields of the value, and
-    `materialize()` of a batched value runs once per batch element (vmapped).
-
-    >>> @dataclass
-    ... class LoraMatrix(qax.ImplicitArray):
-    ...     w: qax.ArrayValue = qax.array_field(ndim=2)
-    ...     a: qax.ArrayValue = qax.array_field(ndim=2)
-    ...     b: qax.ArrayValue = qax.array_field(ndim=2)
-    ...
-    ...     def materialize(self):
-    ...         return self.w + self.a @ self.b.T
-    >>> stacked = LoraMatrix(jnp.ones((4, 6, 5)), jnp.ones((4, 6, 2)), jnp.ones((4, 5, 2)))
-    >>> stacked.shape
-    (4, 6, 5)
-
-    When the rank differs between instances (a weight type used for matrices and for
-    conv kernels), `ndim` names an `aux_field` that holds it. If that field is `None`
-    when an instance is constructed, the instance is unbatched: the field is set to the
-    rank of this field's value.
-
-    >>> @dataclass
-    ... class Scaled(qax.ImplicitArray):
-    ...     x: qax.ArrayValue = qax.array_field(ndim="x_ndim")
-    ...     s: qax.ArrayValue = qax.array_field(ndim=0)
-    ...     x_ndim: int | None = qax.aux_field(default=None)
-    >>> Scaled(jnp.ones((3, 3, 3)), jnp.ones(())).x_ndim
-    3
-
-    Args:
-      ndim: the number of dimensions of this field in one unbatched array (for a field
-        holding an implicit array: the rank of the array it represents), or the name
-        of an `aux_field` holding that number.
-      follows: optional, one entry per unbatched dimension of the field (so `ndim` must
-        be a number): the dimension of the represented (unbatched) array it runs along,
-        or `None` for a dimension of its own (a LoRA rank, a size-1 scale axis).
-        `qax.sharding` partitions the field along the dimensions it follows (LoRA's
-        ``a`` [m, r]: ``follows=(0, None)``). Types whose ranks vary per instance
-        declare this with a `field_dims()` method instead (see `qax.sharding`).
-      metadata: extra dataclass field metadata.
-      **kwargs: passed to `dataclasses.field` (e.g. `default`).
-
-    Returns:
-      A dataclass field.
-
-    Raises:
-      ValueError: `ndim` is not a non-negative integer, or `follows` does not give
-        one dimension (or `None`) for each of the field's `ndim` dimensions.
-    """
-    if not isinstance(ndim, str) and (
-        isinstance(ndim, bool) or not isinstance(ndim, int) or ndim < 0
-    ):
-        raise ValueError(
-            "array_field(ndim=...) takes an integer >= 0 or the name of an aux_field, "
-            f"got {ndim!r}."
-        )
-    metadata = dict(metadata) if metadata else {}
-    metadata[NDIM] = ndim
-    if follows is not None:
-        follows = tuple(follows)
-        if (
-            isinstance(ndim, str)
-            or len(follows) != ndim
-            or not all(
-                d is None or (isinstance(d, int) and not isinstance(d, bool) and d >= 0)
-                for d in follows
-            )
-        ):
-            raise ValueError(
-                f"array_field(ndim={ndim}, follows={follows!r}): `follows` needs one "
-                "entry per dimension of the field, each a dimension of the represented "
-                "array (an integer >= 0) or None (a dimension of the field's own), e.g. "
-                "`follows=(0, None)` for a LoRA factor `a` of shape [m, rank]. A type "
-                "whose ranks vary per instance defines `field_dims()` instead."
-            )
-        metadata[FOLLOWS] = follows
-    return dataclasses.field(metadata=metadata, **kwargs)
-
-
-# ----------------------------------------------------------------------------------------
-# Class-level declarations
-
-
-@dataclasses.dataclass(frozen=True)
-class Fields:
-    """A class's child and aux field names, and the declared ranks of the children."""
-
-    children: tuple[str, ...]
-    aux: tuple[str, ...]
-    ndims: tuple[int | str | None, ...]
-    dynamic: bool = False  # some rank is held by an aux field
-
-    @property
-    def declared(self) -> bool:
-        return all(n is not None for n in self.ndims)
-
-    def ranks(self, d: dict) -> tuple:
-        """The declared ranks of the children of the instance whose `__dict__` is `d`."""
-        if not self.dynamic:
-            return self.ndims
-        return tuple(d.get(n) if isinstance(n, str) else n for n in self.ndims)
-
-
-def fields_of(cls: type) -> Fields:
-    cached = cls.__dict__.get("_qax_fields")
-    if cached is None:
-        children, aux, ndims = [], [], []
-        for f in dataclasses.fields(cls):
-            if f.name in ("shape", "dtype"):
-                continue
-            if f.metadata.get(AUX):
-                aux.append(f.name)
-            else:
-                children.append(f.name)
-                ndims.append(f.metadata.get(NDIM))
-        for name, ndim in zip(children, ndims):
-            if isinstance(ndim, str) and ndim not in aux:
-                raise TypeError(
-                    f"{cls.__name__}.{name} is declared with array_field(ndim={ndim!r}), "
-                    f"but {cls.__name__} has no aux_field named {ndim!r} to hold it."
-                )
-        dynamic = any(isinstance(n, str) for n in ndims)
-        cached = Fields(tuple(children), tuple(aux), tuple(ndims), dynamic)
-        type.__setattr__(cls, "_qax_fields", cached)
-    return cached
-
-
-def batch_ndim(x: Any) -> int | None:
-    """The number of leading batch dimensions of `x`: those its type declares
-    (`qax.array_field`) or that `vmap` stacked; 0 for a plain array.
-
-    None if its leaves no longer fit its type's declaration (sliced through an unbatched
-    dimension outside `use_implicit_args`).
-
-    >>> stacked = LoraMatrix(jnp.ones((4, 6, 5)), jnp.ones((4, 6, 2)), jnp.ones((4, 5, 2)))
-    >>> qax.utils.batch_ndim(stacked)
-    1
-    """
-    if not isinstance(x, ImplicitBase):
-        return 0
-    return x.__dict__.get(NB, 0)
-
-
-def batchable(cls: type) -> bool:
-    """Whether values of `cls` may be sliced and stacked leaf by leaf."""
-    return fields_of(cls).declared
-
-
-# ----------------------------------------------------------------------------------------
-# Instances
-
-
-def _leading(child: Any) -> list[tuple[int, ...]] | None:
-    """The shapes of the array-like leaves of one child (implicit arrays whole)."""
-    if child is None:
-        return []
-    if isinstance(child, ImplicitBase):
-        return [tuple(child.shape)] if child.shape is not None else None
-    if isinstance(child, (list, tuple, dict)):
-        out = []
-        for leaf in jax.tree_util.tree_leaves(
-            child, is_leaf=lambda x: isinstance(x, ImplicitBase)
-        ):
-            shapes = _leading(leaf)
-            if shapes is None:
-                return None
-            out += shapes
-        return out
-    if isinstance(child, (bool, int, float, complex)):
-        return []
-    shape = getattr(child, "shape", None)
-    if shape is None:
-        return []
-    try:
-        return [tuple(shape)]
-    except TypeError:
-        return None
-
-
-NO_ARRAYS = "no arrays"
-
-
-def batch_shape_of(x: ImplicitBase) -> Any:
-    """The batch shape the children of `x` carry, per the declaration of its type.
-
-    `()` for an undeclared type, for one without children, and for unbatched values;
-    `NO_ARRAYS` if no child holds an array (a mask of booleans, placeholders); `None`
-    if the leaves do not fit the declaration.
-    """
-    fields = fields_of(type(x))
-    if not fields.declared or not fields.children:
-        return ()
-    d = x.__dict__
-    return leaf_batch_shape([d.get(n) for n in fields.children], fields.ranks(d))
-
-
-def leaf_batch_shape(children: list, ndims: tuple) -> Any:
-    """`batch_shape_of` for a declared type, fast: its children in field order."""
-    found = None
-    for child, ndim in zip(children, ndims):
-        if ndim is None:
-            return None
-        shape = getattr(child, "shape", None)
-        if shape is not None:
-            shapes = (shape,)
-        elif isinstance(child, (list, tuple, dict)):
-            shapes = _leading(child)
-            if shapes is None:
-                return None
-        else:
-            continue  # None, Python scalars, placeholders without a shape
-        for shape in shapes:
-            n = len(shape) - ndim
-            if n < 0:
-                return None
-            batch = tuple(shape[:n])
-            if found is None:
-                found = batch
-            elif batch != found:
-                return None
-    return NO_ARRAYS if found is None else found
-
-
-_DISAGREE = (
-    "The fields of {cls} disagree on their batch dimensions: {detail}. Each field "
-    "declared with `qax.array_field(ndim=k)` has `k` dimensions per array; every "
-    "further leading dimension is a batch dimension, which all fields must share."
-)
-
-
-def check_batch(x: ImplicitBase) -> int:
-    """The number of batch dimensions of a new instance, or a clear error.
-
-    Aux fields that hold a rank and are `None` get the rank of their field's value.
-    """
-    fields = fields_of(type(x))
-    if fields.dynamic:
-        d = x.__dict__
-        for name, ndim in zip(fields.children, fields.ndims, strict=True):
-            if isinstance(ndim, str) and d.get(ndim) is None:
-                shapes = _leading(d.get(name))
-                if shapes:
-                    d[ndim] = len(shapes[0])
-    batch = batch_shape_of(x)
-    if batch is None:
-        fields = fields_of(type(x))
-        detail = ", ".join(
-            f"`{n}` {_describe_shapes(x.__dict__.get(n))} (ndim={k})"
-            for n, k in zip(fields.children, fields.ranks(x.__dict__), strict=True)
-        )
-        raise ValueError(_DISAGREE.format(cls=type(x).__name__, detail=detail))
-    return 0 if batch is NO_ARRAYS else len(batch)
-
-
-def _describe_shapes(child: Any) -> str:
-    shapes = _leading(child)
-    if not shapes:
-        return "(no array)"
-    return " ".join(str(s) for s in shapes)
-
-
-def rebuild(x: ImplicitBase, children: dict, shape: tuple, nb: int) -> ImplicitBase:
-    """A copy of `x` with some children replaced and the given shape (no checks)."""
-    obj = object.__new__(type(x))
-    d = obj.__dict__
-    d.update(x.__dict__)
-    d.pop("_qax_aval_cache", None)
-    d.update(children)
-    d["shape"], d[NB] = None if shape is None else tuple(shape), nb
-    return obj
-
-
 def sliceable(x: ImplicitBase, axis: int) -> bool:
     """Whether `x` can be sliced along `axis` leaf by leaf."""
     fields = fields_of(type(x))
@@ -365,11 +75,11 @@ def sliceable(x: ImplicitBase, axis: int) -> bool:
 def with_sliceable_parts(x: Any, axis: int, densify_part: Callable) -> Any:
     """`x` with each implicit part (itself, or an implicit array nested in it) that
     cannot be sliced along `axis` leaf by leaf replaced by `densify_part(part)`."""
-    if not _is_implicit(x):
+    if not is_implicit(x):
         return x
     if not sliceable(x, axis):
         return densify_part(x)
-    old = _children(x)
+    old = children_of(x)
     new = {
         n: _map_child(c, lambda y: with_sliceable_parts(y, axis, densify_part))
         for n, c in old.items()
@@ -378,18 +88,13 @@ def with_sliceable_parts(x: Any, axis: int, densify_part: Callable) -> Any:
         a is b
         for n in old
         for a, b in zip(
-            jax.tree_util.tree_leaves(old[n], is_leaf=_is_implicit),
-            jax.tree_util.tree_leaves(new[n], is_leaf=_is_implicit),
+            jax.tree_util.tree_leaves(old[n], is_leaf=is_implicit),
+            jax.tree_util.tree_leaves(new[n], is_leaf=is_implicit),
             strict=False,
         )
     ):
         return x
     return rebuild(x, new, x.shape, x.__dict__.get(NB, 0))
-
-
-def _children(x: ImplicitBase) -> dict:
-    d = x.__dict__
-    return {n: d[n] for n in fields_of(type(x)).children}
 
 
 def _map_child(child: Any, fn: Callable[[Any], Any]) -> Any:
@@ -417,17 +122,6 @@ def undeclared_reason(primitive: str, action: str, x: ImplicitBase, axis: int) -
     )
 
 
-def densify(x: ImplicitBase, primitive: str, reason: str | None) -> Any:
-    """Report and fully materialize `x` (at the current trace)."""
-    if not quiet_materialization.get():
-        report(
-            MaterializationEvent(
-                primitive, type(x), tuple(x.shape), x.dtype, _source_line(), reason
-            )
-        )
-    return materialize_nested(x, full=True)
-
-
 # ----------------------------------------------------------------------------------------
 # vmap: implicit arrays are "vmappable" types, sliced and stacked as their type declares
 
@@ -443,7 +137,7 @@ def _to_elt(cont: Callable, get_idx: Callable, x: ImplicitBase, spec: Any) -> An
         )
     children = {
         n: _map_child(c, lambda y: _child_to_elt(cont, y, axis))
-        for n, c in _children(x).items()
+        for n, c in children_of(x).items()
     }
     shape = x.shape[:axis] + x.shape[axis + 1 :]
     nb = max(x.__dict__.get(NB, 0) - 1, 0)
@@ -455,7 +149,7 @@ def _from_elt(cont: Callable, axis_size: int, x: ImplicitBase, spec: Any) -> Any
     if spec is None:
         children = {
             n: _map_child(c, lambda y: _child_from_elt(cont, axis_size, y, None))
-            for n, c in _children(x).items()
+            for n, c in children_of(x).items()
         }
         return rebuild(x, children, x.shape, x.__dict__.get(NB, 0))
     axis = _canonical_axis(spec, len(x.shape) + 1, x)
@@ -466,7 +160,7 @@ def _from_elt(cont: Callable, axis_size: int, x: ImplicitBase, spec: Any) -> Any
         return cont(axis_size, densify(x, "vmap", reason), axis)
     children = {
         n: _map_child(c, lambda y: _child_from_elt(cont, axis_size, y, axis))
-        for n, c in _children(x).items()
+        for n, c in children_of(x).items()
     }
     shape = (*x.shape[:axis], axis_size, *x.shape[axis:])
     return rebuild(x, children, shape, nb + 1 if fields.children else 0)
@@ -504,7 +198,7 @@ def leaf_ranks(children: list) -> LeafRanks:
         if shape is not None:
             ranks.append(len(shape))
             continue
-        for leaf in jax.tree_util.tree_leaves(child, is_leaf=_is_implicit):
+        for leaf in jax.tree_util.tree_leaves(child, is_leaf=is_implicit):
             shape = getattr(leaf, "shape", None)
             ranks.append(len(shape) if shape is not None else int(np.ndim(leaf)))
     return LeafRanks(ranks)
@@ -530,7 +224,7 @@ def undeclared_layout(obj: ImplicitBase, children: list, ranks: tuple) -> None:
         leaves = (
             (child,)
             if shape_of is not None
-            else jax.tree_util.tree_leaves(child, is_leaf=_is_implicit)
+            else jax.tree_util.tree_leaves(child, is_leaf=is_implicit)
         )
         for leaf in leaves:
             leaf_shape = getattr(leaf, "shape", None)
@@ -577,7 +271,9 @@ def _example_shape(obj: ImplicitBase, shape: Any) -> Any:
         return tuple(int(d) for d in own)
     if shape is None:
         return None
-    leaves = jax.tree_util.tree_leaves([getattr(obj, n) for n in _child_names(obj)])
+    leaves = jax.tree_util.tree_leaves(
+        [getattr(obj, n) for n in fields_of(type(obj)).children]
+    )
     try:
         avals = tuple(_abstract(leaf) for leaf in leaves)
     except TypeError:
@@ -588,10 +284,6 @@ def _example_shape(obj: ImplicitBase, shape: Any) -> Any:
         if found is not None:
             return found
     return shape
-
-
-def _child_names(obj: ImplicitBase) -> tuple[str, ...]:
-    return fields_of(type(obj)).children
 
 
 def _abstract(leaf: Any) -> tuple:
@@ -612,20 +304,18 @@ def _materialized_shape(tree: Any, avals: tuple) -> tuple | None:
     def run(*leaves):
         return materialize_nested(jax.tree_util.tree_unflatten(tree, leaves), full=True)
 
-    token = quiet_materialization.set(True)
     try:
-        return tuple(jax.eval_shape(run, *structs).shape)
+        with quietly():
+            return tuple(jax.eval_shape(run, *structs).shape)
     except Exception:  # noqa: BLE001 (any failure means "not this shape")
         return None
-    finally:
-        quiet_materialization.reset(token)
 
 
 def _child_to_elt(cont: Callable, y: Any, axis: int) -> Any:
     """`cont(y, axis)` for a part `y` of a declared value; a nested implicit array of a
     type that declares nothing is a pytree for `vmap`, sliced leaf by leaf only along
     the dimensions its leaves were stacked on."""
-    if not _is_implicit(y) or batchable(type(y)):
+    if not is_implicit(y) or batchable(type(y)):
         return cont(y, axis)
     if sliceable(y, axis):
         return jax.tree_util.tree_map(lambda leaf: cont(leaf, axis), y)
@@ -635,7 +325,7 @@ def _child_to_elt(cont: Callable, y: Any, axis: int) -> Any:
 def _child_from_elt(cont: Callable, axis_size: int, y: Any, axis: int | None) -> Any:
     """`cont(axis_size, y, axis)` for a part `y` of a declared value (see
     `_child_to_elt`)."""
-    if not _is_implicit(y) or batchable(type(y)):
+    if not is_implicit(y) or batchable(type(y)):
         return cont(axis_size, y, axis)
     if axis is None or axis <= (y.__dict__.get(NB) or 0):
         return jax.tree_util.tree_map(lambda leaf: cont(axis_size, leaf, axis), y)
@@ -680,7 +370,7 @@ def per_element(fn: Callable[[ImplicitBase], Any], x: ImplicitBase) -> Any:
 
 def _sliceable_along_0(y: Any) -> Any:
     """`y`, materialized if it is implicit, declares nothing and is not a stack."""
-    if not _is_implicit(y) or batchable(type(y)) or sliceable(y, 0):
+    if not is_implicit(y) or batchable(type(y)) or sliceable(y, 0):
         return y
     return densify(y, "vmap", undeclared_reason("vmap", "maps", y, 0))
 
@@ -688,8 +378,8 @@ def _sliceable_along_0(y: Any) -> Any:
 def slice_template(x: ImplicitBase) -> ImplicitBase:
     """`x` as one row along axis 0 looks to a pytree unflattening its sliced leaves."""
     children = {
-        n: _map_child(c, lambda y: slice_template(y) if _is_implicit(y) else y)
-        for n, c in _children(x).items()
+        n: _map_child(c, lambda y: slice_template(y) if is_implicit(y) else y)
+        for n, c in children_of(x).items()
     }
     return rebuild(x, children, x.shape[1:], max(x.__dict__.get(NB, 0) - 1, 0))
 
@@ -699,28 +389,24 @@ def stack_like(template: Any, leaves: list, length: int) -> Any:
     it = iter(leaves)
 
     def build(t: Any) -> Any:
-        if not _is_implicit(t):
+        if not is_implicit(t):
             return next(it)
-        children = {n: _map_child(c, build) for n, c in _children(t).items()}
+        children = {n: _map_child(c, build) for n, c in children_of(t).items()}
         nb = t.__dict__.get(NB, 0) + 1 if fields_of(type(t)).children else 0
         return rebuild(t, children, (length, *t.shape), nb)
 
-    out = jax.tree_util.tree_map(build, template, is_leaf=_is_implicit)
+    out = jax.tree_util.tree_map(build, template, is_leaf=is_implicit)
     return out
 
 
 def stackable(x: Any) -> bool:
     """Whether implicit `x` can be stacked leaf by leaf (recursively)."""
-    if not _is_implicit(x):
+    if not is_implicit(x):
         return True
     if not batchable(type(x)):
         return False
     return all(
         stackable(leaf)
-        for c in _children(x).values()
-        for leaf in jax.tree_util.tree_leaves(c, is_leaf=_is_implicit)
+        for c in children_of(x).values()
+        for leaf in jax.tree_util.tree_leaves(c, is_leaf=is_implicit)
     )
-
-
-def _is_implicit(x: Any) -> bool:
-    return isinstance(x, ImplicitBase)

@@ -15,7 +15,7 @@ import plum
 from . import _audit, _dispatch, _interpreter
 from ._base import ImplicitBase
 from ._compat import Primitive
-from ._interpreter import MaterializationEvent
+from ._report import MaterializationEvent
 
 Outcome = Literal[
     "chosen", "less specific", "lower precedence", "ambiguous", "no match"

@@ -37,8 +37,6 @@ from jax.sharding import PartitionSpec
 from . import _dispatch
 from ._base import NB, ImplicitBase, quiet_materialization
 from ._batching import (
-    densify,
-    rebuild,
     slice_template,
     stack_like,
     stackable,
@@ -85,16 +83,12 @@ from ._compat import (
     weakly_typed,
     wrap_init,
 )
-from ._interpreter import (
-    ImplicitTrace,
-    _recording,
-    compile_jaxpr,
-    holding_reports,
-    materialize_nested,
-    replay,
-    sub_trace,
-)
+from ._eager import compile_jaxpr, sub_trace
+from ._entry import densify, materialize_nested
+from ._fields import rebuild
+from ._interpreter import ImplicitTrace
 from ._partition import Undeclared, child_specs, first_undeclared, leaf_specs
+from ._report import holding_reports, recording, replay
 from ._structure import common_structure_paths, describe, materialize_at, value_at
 
 # ----------------------------------------------------------------------------------------
@@ -193,7 +187,7 @@ def trace_body(
         return out_leaves
 
     events: list = []
-    with _recording(events), set_current_trace(trace.parent_trace):
+    with recording(events), set_current_trace(trace.parent_trace):
         jaxpr, out_avals, consts = trace_to_jaxpr_dynamic(
             wrap_init(flat_body, debug_info=make_debug_info(name)), list(in_avals)
         )

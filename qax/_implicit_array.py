@@ -14,19 +14,14 @@ import jax
 import numpy as np
 
 from . import _integrations, _outside
-from ._base import STACKED, ImplicitBase, check_declared_avals, quiet_materialization
-from ._batching import (
-    AUX,
+from ._base import (
     NB,
-    NO_ARRAYS,
-    check_batch,
-    fields_of,
-    leaf_batch_shape,
-    leaf_ranks,
-    per_element,
-    register_batching,
-    undeclared_layout,
+    STACKED,
+    ImplicitBase,
+    check_declared_avals,
+    quiet_materialization,
 )
+from ._batching import leaf_ranks, per_element, register_batching, undeclared_layout
 from ._compat import (
     ShapedArray,
     Tracer,
@@ -35,32 +30,19 @@ from ._compat import (
     varying_aval,
     varying_axes,
 )
+from ._entry import enter_current_trace, use_implicit_args
 from ._errors import UninitializedAval
-from ._interpreter import _implicit_children, enter_current_trace, use_implicit_args
+from ._fields import (
+    NO_ARRAYS,
+    aux_field,
+    check_batch,
+    fields_of,
+    leaf_batch_shape,
+)
+from ._interpreter import implicit_children
 
 # Instance attribute caching `aval` (keyed by shape and dtype, in case they are reassigned).
 _AVAL_CACHE = "_qax_aval_cache"
-
-
-def aux_field(metadata: dict | None = None, **kwargs: Any) -> Any:
-    """A dataclass field that is static metadata (pytree aux data), not a child.
-
-    Values must be hashable; they become part of the treedef, so `jax.jit` treats them
-    as static and `jax.grad`/`jax.vmap` leave them alone.
-
-    >>> @dataclass
-    ... class Scaled(qax.ImplicitArray):
-    ...     x: qax.ArrayValue
-    ...     scale: float = qax.aux_field(default=2.0)
-    """
-    metadata = dict(metadata) if metadata else {}
-    metadata[AUX] = True
-    return dataclasses.field(metadata=metadata, **kwargs)
-
-
-def _field_split(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    fields = fields_of(cls)
-    return fields.children, fields.aux
 
 
 def _pytree_functions(cls: type) -> tuple[Callable, Callable, Callable]:
@@ -156,6 +138,16 @@ def _reflected(fn: Callable) -> Callable:
     return lambda a, b: fn(b, a)
 
 
+def _method(name: str) -> Callable:
+    """The array method `name`, run through the interpreter."""
+
+    def call(self, *args, **kwargs):
+        return _implicit_method(lambda x: getattr(x, name)(*args, **kwargs))(self)
+
+    call.__name__ = name
+    return call
+
+
 _OWN_DUNDERS = ("__eq__", "__ne__", "__hash__", "__repr__")
 
 
@@ -212,16 +204,13 @@ class ImplicitArray(ImplicitBase):
                 type.__setattr__(cls, f.name, f)
         type.__setattr__(cls, "_qax_fields", None)
         flatten, flatten_with_keys, unflatten = _pytree_functions(cls)
+        type.__setattr__(cls, "_qax_pytree", (flatten, flatten_with_keys, unflatten))
         jax.tree_util.register_pytree_with_keys(
             cls, flatten_with_keys, unflatten, flatten
         )
         register_batching(cls)
         _wrap_materialize(cls)
         _integrations.register(cls)
-
-    @classmethod
-    def _qax_child_names(cls) -> tuple[str, ...]:
-        return _field_split(cls)[0]
 
     # -- shape and dtype -----------------------------------------------------------------
 
@@ -300,7 +289,8 @@ class ImplicitArray(ImplicitBase):
         return self.shape[0]
 
     def __repr__(self) -> str:
-        names, aux = _field_split(type(self))
+        fields = fields_of(type(self))
+        names, aux = fields.children, fields.aux
         parts = [f"{n}={_short(getattr(self, n))}" for n in names]
         parts += [f"{n}={getattr(self, n)!r}" for n in aux]
         parts.append(f"shape={self.shape}")
@@ -317,7 +307,8 @@ class ImplicitArray(ImplicitBase):
         """
         import treescope  # only treescope calls this method
 
-        names, aux = _field_split(type(self))
+        fields = fields_of(type(self))
+        names, aux = fields.children, fields.aux
         settable = {f.name for f in dataclasses.fields(self) if f.init}
         attributes = {n: getattr(self, n) for n in names}
         attributes.update({n: getattr(self, n) for n in aux if n in settable})
@@ -337,6 +328,91 @@ class ImplicitArray(ImplicitBase):
 
     __eq__ = _implicit_method(operator.eq)
     __ne__ = _implicit_method(operator.ne)
+    __lt__ = _implicit_method(operator.lt)
+    __le__ = _implicit_method(operator.le)
+    __gt__ = _implicit_method(operator.gt)
+    __ge__ = _implicit_method(operator.ge)
+    __add__ = _implicit_method(operator.add)
+    __radd__ = _implicit_method(_reflected(operator.add))
+    __sub__ = _implicit_method(operator.sub)
+    __rsub__ = _implicit_method(_reflected(operator.sub))
+    __mul__ = _implicit_method(operator.mul)
+    __rmul__ = _implicit_method(_reflected(operator.mul))
+    __truediv__ = _implicit_method(operator.truediv)
+    __rtruediv__ = _implicit_method(_reflected(operator.truediv))
+    __floordiv__ = _implicit_method(operator.floordiv)
+    __rfloordiv__ = _implicit_method(_reflected(operator.floordiv))
+    __mod__ = _implicit_method(operator.mod)
+    __rmod__ = _implicit_method(_reflected(operator.mod))
+    __pow__ = _implicit_method(operator.pow)
+    __rpow__ = _implicit_method(_reflected(operator.pow))
+    __matmul__ = _implicit_method(operator.matmul)
+    __rmatmul__ = _implicit_method(_reflected(operator.matmul))
+    __and__ = _implicit_method(operator.and_)
+    __rand__ = _implicit_method(_reflected(operator.and_))
+    __or__ = _implicit_method(operator.or_)
+    __ror__ = _implicit_method(_reflected(operator.or_))
+    __xor__ = _implicit_method(operator.xor)
+    __rxor__ = _implicit_method(_reflected(operator.xor))
+    __lshift__ = _implicit_method(operator.lshift)
+    __rlshift__ = _implicit_method(_reflected(operator.lshift))
+    __rshift__ = _implicit_method(operator.rshift)
+    __rrshift__ = _implicit_method(_reflected(operator.rshift))
+    __neg__ = _implicit_method(operator.neg)
+    __pos__ = _implicit_method(operator.pos)
+    __abs__ = _implicit_method(operator.abs)
+    __invert__ = _implicit_method(operator.invert)
+
+    astype = _method("astype")
+    reshape = _method("reshape")
+    transpose = _method("transpose")
+    squeeze = _method("squeeze")
+    sum = _method("sum")
+    mean = _method("mean")
+    max = _method("max")
+    min = _method("min")
+    prod = _method("prod")
+    ravel = _method("ravel")
+    flatten = _method("flatten")
+    T = property(_implicit_method(lambda x: x.T))
+
+    # -- outside `use_implicit_args` (the rule is in `qax/_outside.py`) -------------------
+    # Conversions materialize, iteration stops after `len(x)` rows, `jnp` functions name
+    # the wrapper; indexing runs through the interpreter.
+
+    __getitem__ = _outside.getitem
+    __iter__ = _outside.iterate
+    __array__ = _outside.to_numpy
+    __jax_array__ = property(_outside.jax_array_protocol)
+    __bool__ = functools.partialmethod(_outside.scalar, bool)
+    __int__ = functools.partialmethod(_outside.scalar, int)
+    __float__ = functools.partialmethod(_outside.scalar, float)
+    __complex__ = functools.partialmethod(_outside.scalar, complex)
+
+    # -- the original Qax's pytree methods (downstream code splits and merges trees) -----
+
+    def tree_flatten_with_keys(self) -> tuple[list, Any]:
+        """One level of the pytree: ``(children, aux_data)``, as in the original Qax.
+
+        `children` holds ``(jax.tree_util.GetAttrKey(name), value)`` for every child
+        field, in declaration order; `aux_data` is the static part (aux fields, shape,
+        dtype). ``type(x).tree_unflatten(aux_data, values)`` rebuilds `x`.
+
+        >>> children, aux = lora.tree_flatten_with_keys()
+        >>> [key.name for key, _ in children]
+        ['w', 'a', 'b']
+        """
+        return type(self)._qax_pytree[1](self)
+
+    @classmethod
+    def tree_unflatten(cls, aux_data: Any, children: Any) -> ImplicitArray:
+        """Rebuild an instance from `tree_flatten_with_keys`'s ``aux_data`` and the
+        values of its children (without their keys), as in the original Qax.
+
+        >>> children, aux = lora.tree_flatten_with_keys()
+        >>> LoraMatrix.tree_unflatten(aux, [w, a2, b2])  # same base, new factors
+        """
+        return cls._qax_pytree[2](aux_data, list(children))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -348,7 +424,7 @@ def _varying_axes(x: ImplicitArray) -> tuple[Any, frozenset]:
     """The mesh axes some traced leaf of `x` varies over (inside `shard_map`), and the
     aval of one such leaf."""
     reference, found = None, frozenset()
-    names, _ = _field_split(type(x))
+    names = fields_of(type(x)).children
     for child in (x.__dict__[n] for n in names):
         if isinstance(child, ImplicitArray):
             ref, axes = _varying_axes(child)
@@ -396,7 +472,7 @@ def _eval_shape_of_materialize(obj: ImplicitArray) -> Any:
             target = copy.copy(obj)
             for name, value in zip(structs, values):
                 object.__setattr__(target, name, value)
-        children = _implicit_children(target)
+        children = implicit_children(target)
         if not children:
             return type(target).materialize(target)
         names = [n for n, _ in children]
@@ -419,112 +495,8 @@ def _eval_shape_of_materialize(obj: ImplicitArray) -> Any:
 def _shape_dtype_struct_fields(obj: ImplicitArray) -> list[str]:
     """The child fields of `obj` that are pytrees of `jax.ShapeDtypeStruct`s."""
     found = []
-    for name in type(obj)._qax_child_names():
+    for name in fields_of(type(obj)).children:
         leaves = jax.tree_util.tree_leaves(getattr(obj, name, None))
         if leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
             found.append(name)
     return found
-
-
-_BINARY = {
-    "add": operator.add,
-    "sub": operator.sub,
-    "mul": operator.mul,
-    "truediv": operator.truediv,
-    "floordiv": operator.floordiv,
-    "mod": operator.mod,
-    "pow": operator.pow,
-    "matmul": operator.matmul,
-    "and": operator.and_,
-    "or": operator.or_,
-    "xor": operator.xor,
-    "lshift": operator.lshift,
-    "rshift": operator.rshift,
-}
-for _name, _fn in _BINARY.items():
-    setattr(ImplicitArray, f"__{_name}__", _implicit_method(_fn))
-    setattr(ImplicitArray, f"__r{_name}__", _implicit_method(_reflected(_fn)))
-for _name, _fn in {
-    "lt": operator.lt,
-    "le": operator.le,
-    "gt": operator.gt,
-    "ge": operator.ge,
-    "neg": operator.neg,
-    "pos": operator.pos,
-    "abs": operator.abs,
-    "invert": operator.invert,
-    "getitem": operator.getitem,
-}.items():
-    setattr(ImplicitArray, f"__{_name}__", _implicit_method(_fn))
-
-
-def _method(name: str) -> Callable:
-    def call(self, *args, **kwargs):
-        return _implicit_method(lambda x: getattr(x, name)(*args, **kwargs))(self)
-
-    call.__name__ = name
-    return call
-
-
-for _name in (
-    "astype",
-    "reshape",
-    "transpose",
-    "squeeze",
-    "sum",
-    "mean",
-    "max",
-    "min",
-    "prod",
-    "ravel",
-    "flatten",
-):
-    setattr(ImplicitArray, _name, _method(_name))
-ImplicitArray.T = property(_implicit_method(lambda x: x.T))
-
-# Outside `use_implicit_args`: conversions materialize, iteration stops after `len(x)`
-# rows, `jnp` functions name the wrapper (the rule is in `qax/_outside.py`).
-ImplicitArray.__getitem__ = _outside.getitem
-ImplicitArray.__iter__ = _outside.iterate
-ImplicitArray.__array__ = _outside.to_numpy
-ImplicitArray.__jax_array__ = property(_outside.jax_array_protocol)
-for _convert in (bool, int, float, complex):
-    setattr(
-        ImplicitArray,
-        f"__{_convert.__name__}__",
-        functools.partialmethod(_outside.scalar, _convert),
-    )
-
-
-# The original Qax's pytree methods (downstream code splits and merges trees with them).
-@functools.cache
-def _tree_functions(cls: type) -> tuple[Callable, Callable, Callable]:
-    return _pytree_functions(cls)
-
-
-def _tree_flatten_with_keys(self: ImplicitArray) -> tuple[list, Any]:
-    """One level of the pytree: ``(children, aux_data)``, as in the original Qax.
-
-    `children` holds ``(jax.tree_util.GetAttrKey(name), value)`` for every child field,
-    in declaration order; `aux_data` is the static part (aux fields, shape, dtype).
-    ``type(x).tree_unflatten(aux_data, values)`` rebuilds `x`.
-
-    >>> children, aux = lora.tree_flatten_with_keys()
-    >>> [key.name for key, _ in children]
-    ['w', 'a', 'b']
-    """
-    return _tree_functions(type(self))[1](self)
-
-
-def _tree_unflatten(cls: type, aux_data: Any, children: Any) -> ImplicitArray:
-    """Rebuild an instance from `tree_flatten_with_keys`'s ``aux_data`` and the values
-    of its children (without their keys), as in the original Qax.
-
-    >>> children, aux = lora.tree_flatten_with_keys()
-    >>> LoraMatrix.tree_unflatten(aux, [w, a2, b2])  # same base, new factors
-    """
-    return _tree_functions(cls)[2](aux_data, list(children))
-
-
-ImplicitArray.tree_flatten_with_keys = _tree_flatten_with_keys
-ImplicitArray.tree_unflatten = classmethod(_tree_unflatten)

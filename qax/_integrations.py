@@ -14,7 +14,6 @@ Every `ImplicitArray` subclass is registered when the class is created (`registe
 from __future__ import annotations
 
 import base64
-import dataclasses
 import importlib.abc
 import json
 import sys
@@ -26,6 +25,7 @@ import jax
 import numpy as np
 
 from ._compat import forget_export_serialization
+from ._fields import children_of
 
 _EXPORT_PREFIX = "qax:"
 
@@ -132,42 +132,25 @@ def _register_export(cls: type) -> None:
 # flax.serialization
 
 
-def _named_children(x: Any) -> tuple[list, list, Any]:
-    """Names, values and one-level treedef of the pytree children of `x`."""
-    keyed, treedef = jax.tree_util.tree_flatten_with_path(
-        x, is_leaf=lambda y: y is not x
-    )
-    names = [getattr(path[0], "name", str(path[0])) for path, _ in keyed]
-    return names, [v for _, v in keyed], treedef
-
-
-def _fields(x: Any) -> set[str]:
-    return {f.name for f in dataclasses.fields(x)}
-
-
 def _register_flax(serialization: Any, cls: type) -> None:
     def to_state_dict(x: Any) -> dict[str, Any]:
-        names, values, _ = _named_children(x)
-        fields = _fields(x)
-        return {
-            n: serialization.to_state_dict(v)
-            for n, v in zip(names, values)
-            if n in fields
-        }
+        return {n: serialization.to_state_dict(v) for n, v in children_of(x).items()}
 
     def from_state_dict(target: Any, state: dict[str, Any]) -> Any:
-        names, values, treedef = _named_children(target)
-        fields = _fields(target)
-        missing = [n for n in names if n in fields and n not in state]
+        children = children_of(target)
+        missing = [n for n in children if n not in state]
         if missing:
             raise ValueError(
                 f"The state dict for {cls.__name__} lacks the field(s) {missing} "
                 f"(it has {sorted(state)}). Restore with a target of the same type "
                 "and fields as the one that was saved."
             )
+        treedef = jax.tree_util.tree_structure(
+            target, is_leaf=lambda y: y is not target
+        )
         new = [
-            serialization.from_state_dict(v, state[n], name=n) if n in fields else v
-            for n, v in zip(names, values)
+            serialization.from_state_dict(v, state[n], name=n)
+            for n, v in children.items()
         ]
         return treedef.unflatten(new)
 

@@ -19,8 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ._entry import use_implicit_args
+from ._fields import fields_of
 from ._implicit_array import ImplicitArray
-from ._interpreter import use_implicit_args
 from .symbols import SymbolicConstant
 
 FREEZE = "freeze"
@@ -258,7 +259,7 @@ def _check_keys(arr_type: type, keys: Iterable[str] | str) -> frozenset[str]:
     if not dataclasses.is_dataclass(arr_type):
         return keys
     if issubclass(arr_type, ImplicitArray):
-        known = arr_type._qax_child_names()
+        known = fields_of(arr_type).children
     else:
         known = tuple(f.name for f in dataclasses.fields(arr_type))
     unknown = sorted(keys - set(known))

@@ -30,14 +30,7 @@ import numpy as np
 from . import _errors
 from ._base import ImplicitBase
 from ._compat import Tracer, jax_array_asker
-from ._interpreter import (
-    MaterializationEvent,
-    _source_line,
-    enter_current_trace,
-    materialize_nested,
-    report,
-    use_implicit_args,
-)
+from ._entry import densify, enter_current_trace, use_implicit_args
 
 
 def _has_traced_leaves(x: ImplicitBase) -> bool:
@@ -46,17 +39,7 @@ def _has_traced_leaves(x: ImplicitBase) -> bool:
 
 def _densify(x: ImplicitBase, how: str) -> Any:
     """`x` materialized all the way down, reported as a conversion by `how`."""
-    report(
-        MaterializationEvent(
-            how,
-            type(x),
-            tuple(x.shape),
-            x.dtype,
-            _source_line(),
-            reason=_errors.CONVERTED.format(cls=type(x).__name__, how=how),
-        )
-    )
-    return materialize_nested(x, full=True)
+    return densify(x, how, _errors.CONVERTED.format(cls=type(x).__name__, how=how))
 
 
 def to_numpy(

@@ -26,7 +26,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from ._base import NB, ImplicitBase
-from ._batching import FOLLOWS, fields_of, rebuild
+from ._fields import FOLLOWS, fields_of, rebuild
 
 UNDECLARED_FIELD = (
     "The partition spec {spec} for a {cls} of shape {shape} partitions dimensions of "

@@ -18,7 +18,7 @@ import numpy as np
 
 from ._base import is_implicit
 from ._compat import ShapedArray, typeof
-from ._interpreter import materialize_nested
+from ._entry import materialize_nested
 from ._tree_util import flatten_one_implicit_layer, tree_flatten_with_implicit
 
 Path = tuple[int, ...]

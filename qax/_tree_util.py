@@ -7,7 +7,8 @@ from typing import Any
 
 import jax
 
-from ._base import ImplicitBase, is_implicit
+from ._base import is_implicit
+from ._fields import children_of
 
 
 class _EmptyNodeType:
@@ -95,15 +96,8 @@ def implicit_depth(tree: Any) -> int:
     best = 0
     for leaf in tree_leaves_with_implicit(tree):
         if is_implicit(leaf):
-            best = max(best, 1 + implicit_depth(_children(leaf)))
+            best = max(best, 1 + implicit_depth(children_of(leaf)))
     return best
-
-
-def _children(x: ImplicitBase) -> list[Any]:
-    children, _ = jax.tree_util.tree_flatten(
-        x, is_leaf=lambda y: y is not x and is_implicit(y)
-    )
-    return children
 
 
 def flatten_one_implicit_layer(tree: Any) -> tuple[list[Any], Any]:

@@ -24,7 +24,7 @@ import jax
 
 from . import _integrations
 from ._base import is_implicit
-from ._batching import fields_of
+from ._fields import fields_of
 from ._implicit_array import _pytree_functions
 
 __all__ = ["describe", "rebuild"]
@@ -62,7 +62,7 @@ def _key(k: Any) -> Any:
 def _describe_one(x: Any) -> dict:
     cls, aux = jax.tree_util.tree_structure(x, is_leaf=lambda y: y is not x).node_data()
     fields = {}
-    for name in cls._qax_child_names():
+    for name in fields_of(cls).children:
         child = x.__dict__[name]
         fields[name] = _describe_one(child) if is_implicit(child) else None
     return {

@@ -56,8 +56,8 @@ from jax import lax
 
 from ._compat import ShapedArray, Tracer, eval_context, jaxpr_as_fun, known_constant
 from ._dispatch import ArrayValue, primitive_handler
+from ._entry import use_implicit_args
 from ._implicit_array import ImplicitArray, aux_field
-from ._interpreter import use_implicit_args
 from .constants import ELEMENTWISE_BINOPS, ELEMENTWISE_UNOPS
 
 __all__ = ["SymbolicConstant", "symbolic_full_like", "symbolic_zero_like"]

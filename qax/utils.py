@@ -1,7 +1,7 @@
 """Training and tree utilities: optax helpers, `vmap_all_but_one`, implicit-aware trees."""
 
-from ._batching import batch_ndim as batch_ndim
-from ._interpreter import materialize_nested as materialize_nested
+from ._entry import materialize_nested as materialize_nested
+from ._fields import batch_ndim as batch_ndim
 from ._optax import apply_updates as apply_updates
 from ._optax import freeze_keys as freeze_keys
 from ._optax import freeze_subtrees as freeze_subtrees

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import qax
-from qax import _interpreter
+from qax import _eager
 from qax.symbols import SymbolicConstant
 from tests.helpers import Zeros, assert_close, make_lora
 
@@ -59,7 +59,7 @@ def test_operators_match_dense(name, side):
     for got in _twice(f, c, X):
         assert_close(qax.materialize_nested(got, full=True), expected)
     if side == "implicit_left":  # the second call took the remembered `jit`
-        assert any(key[0] == name for key in _interpreter._operator_binds)
+        assert any(key[0] == name for key in _eager._operator_binds)
 
 
 @pytest.mark.parametrize("name", ["neg", "abs", "pos"])
@@ -196,10 +196,10 @@ def test_eager_caches_do_not_grow_over_calls():
     z = Zeros(shape=(3,))
     for _ in range(3):
         f_implicit(lora, x, z)
-    sizes = (len(_interpreter._eager_jits), len(_interpreter._operator_binds))
+    sizes = (len(_eager._eager_jits), len(_eager._operator_binds))
     for _ in range(20):
         f_implicit(lora, x, z)
-    assert (len(_interpreter._eager_jits), len(_interpreter._operator_binds)) == sizes
+    assert (len(_eager._eager_jits), len(_eager._operator_binds)) == sizes
 
 
 def test_effects_inside_jits_run_on_every_call(capsys):
