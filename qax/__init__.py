@@ -1,12 +1,8 @@
 """qax: arrays represented one way that behave like another, for any JAX code."""
 
-from . import _higher_order as _higher_order  # noqa: F401 (registers structural rules)
-from . import checkpoint as checkpoint
+# The core: the class users subclass, the interpreter's entry points, handler tables.
+from . import _higher_order as _higher_order  # noqa: F401 (registers the rules)
 from . import constants as constants
-from . import sharding as sharding
-from . import symbols as symbols
-from . import testing as testing
-from . import utils as utils
 from ._audit import materialization_audit as materialization_audit
 from ._audit import materialization_policy as materialization_policy
 from ._base import ImplicitBase as ImplicitBase
@@ -23,11 +19,22 @@ from ._explain import explain as explain
 from ._fields import array_field as array_field
 from ._fields import aux_field as aux_field
 from ._implicit_array import ImplicitArray as ImplicitArray
-from ._optax import freeze_keys as freeze_keys
 from ._tree_util import EmptyNode as EmptyNode
 
 # isort: split
-# Built-in types written with the public API above (they `import qax`).
+# Built-in types, written with the public API above only (they `import qax`).
+from . import symbols as symbols
+
+# isort: split
+# Tooling around the core (`freeze_keys` knows symbolic constants).
+from . import checkpoint as checkpoint
+from . import sharding as sharding
+from . import testing as testing
+from . import utils as utils
+from ._optax import freeze_keys as freeze_keys
+
+# isort: split
+# More built-in types (public API only; `quant` builds on `lora`).
 from . import lora as lora
 from . import quant as quant
 

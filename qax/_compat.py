@@ -76,7 +76,13 @@ def canonicalize_value(x):
 
 
 def eval_context():
-    """Context in which binds execute eagerly, whatever trace is current."""
+    """A context in which primitives run eagerly on concrete values, whatever trace is
+    current (also inside a handler traced under `jax.jit`): for handlers that fold
+    constants known at trace time (`qax.symbols`).
+
+    >>> with qax.utils.eval_context():
+    ...     folded = lax.add(np.float32(1), np.float32(2))  # a concrete array
+    """
     return _core.eval_context()
 
 
@@ -169,7 +175,7 @@ def known_constant(x):
 
     Inside a traced function, a Python scalar that JAX promotes (``x * 2`` with a float
     ``x``) reaches other traces as a tracer of the staging trace, although its value is
-    a literal; symbolic constants fold such operands.
+    a literal; handlers that fold constants (`qax.symbols`) read it with this.
     """
     if isinstance(x, _pe.DynamicJaxprTracer):
         try:

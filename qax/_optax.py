@@ -22,6 +22,7 @@ import optax
 from ._entry import use_implicit_args
 from ._fields import fields_of
 from ._implicit_array import ImplicitArray
+from ._tree_util import key_value
 from .symbols import SymbolicConstant
 
 FREEZE = "freeze"
@@ -232,7 +233,7 @@ def freeze_keys(
         )
         labels = []
         for (key, *_), child in keyed:
-            if _key_name(key) in keys:
+            if key_value(key) in keys:
                 labels.append(jax.tree_util.tree_map(lambda _: FREEZE, child))
             else:
                 labels.append(label_tree(child))
@@ -272,13 +273,6 @@ def _check_keys(arr_type: type, keys: Iterable[str] | str) -> frozenset[str]:
             )
         )
     return keys
-
-
-def _key_name(key: Any) -> Any:
-    for attr in ("name", "key", "idx"):
-        if hasattr(key, attr):
-            return getattr(key, attr)
-    return key
 
 
 def _leaf_label(leaf: Any) -> str:

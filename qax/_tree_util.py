@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -122,3 +122,21 @@ class _IdentitySet:
 
     def __contains__(self, x: Any) -> bool:
         return id(x) in self._ids
+
+
+def key_value(key: Any) -> Any:
+    """The value of one entry of a pytree key path: a dict key, an attribute name or a
+    sequence index (its string for other kinds of keys)."""
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return getattr(key, attr)
+    return str(key)
+
+
+def path_string(path: Sequence[Any]) -> str:
+    """``"layers/0/attn/kernel"``: the entries of a pytree key path joined by ``/``.
+
+    >>> qax.utils.path_string(jax.tree_util.tree_flatten_with_path({"a": [1]})[0][0][0])
+    'a/0'
+    """
+    return "/".join(str(key_value(k)) for k in path)

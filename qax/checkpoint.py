@@ -26,6 +26,7 @@ from . import _integrations
 from ._base import is_implicit
 from ._fields import fields_of
 from ._implicit_array import _pytree_functions
+from ._tree_util import key_value
 
 __all__ = ["describe", "rebuild"]
 
@@ -50,13 +51,6 @@ _MISSING = (
     "The restored tree has no {what} at {path} where the checkpoint description "
     "expects a {cls}. Restore the checkpoint the description was saved with."
 )
-
-
-def _key(k: Any) -> Any:
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return getattr(k, attr)
-    return str(k)
 
 
 def _describe_one(x: Any) -> dict:
@@ -92,7 +86,7 @@ def describe(tree: Any) -> dict:
     keyed, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_implicit)
     for path, leaf in keyed:
         if is_implicit(leaf):
-            found.append({"path": [_key(k) for k in path], **_describe_one(leaf)})
+            found.append({"path": [key_value(k) for k in path], **_describe_one(leaf)})
     return {"format": 1, "implicit": found}
 
 

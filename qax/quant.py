@@ -539,7 +539,7 @@ def quantize(
     def convert(path, leaf):
         if isinstance(leaf, qax.ImplicitArray) or not hasattr(leaf, "shape"):
             return leaf
-        name = qax.lora.path_string(path)
+        name = qax.utils.path_string(path)
         if not choose(name, leaf):
             return leaf
         kwargs = dict(options)

@@ -53,12 +53,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.core import ShapedArray, Tracer
+from jax.extend.core import jaxpr_as_fun
 
-from ._compat import ShapedArray, Tracer, eval_context, jaxpr_as_fun, known_constant
-from ._dispatch import ArrayValue, primitive_handler
-from ._entry import use_implicit_args
-from ._implicit_array import ImplicitArray, aux_field
-from .constants import ELEMENTWISE_BINOPS, ELEMENTWISE_UNOPS
+import qax
 
 __all__ = ["SymbolicConstant", "symbolic_full_like", "symbolic_zero_like"]
 
@@ -79,7 +77,7 @@ _avals: dict[tuple, ShapedArray] = {}
 _CACHE_LIMIT = 8192
 
 
-class SymbolicConstant(ImplicitArray):
+class SymbolicConstant(qax.ImplicitArray):
     """An array of `shape` whose elements all equal `value`, known at trace time.
 
     `value` is static metadata (part of the treedef): `jax.jit` specializes on it and
@@ -107,11 +105,11 @@ class SymbolicConstant(ImplicitArray):
       TypeError: `value` is a tracer (not known at trace time).
     """
 
-    value: Any = aux_field()
-    weak_type: bool | None = aux_field(default=None, kw_only=True)
+    value: Any = qax.aux_field()
+    weak_type: bool | None = qax.aux_field(default=None, kw_only=True)
     # The value's bit pattern: tells 0.0 from -0.0 (equal as numbers) in treedefs, so
     # `jax.jit` does not reuse a trace made for one with the other.
-    _bits: bytes = aux_field(default=b"", init=False)
+    _bits: bytes = qax.aux_field(default=b"", init=False)
 
     def __post_init__(self) -> None:
         value = self.value
@@ -165,7 +163,7 @@ class SymbolicConstant(ImplicitArray):
         to form, so it is not reported as a materialization. Other constants, and
         operations that involve other implicit types, get the standard rule.
         """
-        implicit = [a for a in args if isinstance(a, ImplicitArray)]
+        implicit = [a for a in args if isinstance(a, qax.ImplicitArray)]
         if not all(isinstance(a, SymbolicConstant) and not a.shape for a in implicit):
             return NotImplemented
         args = [
@@ -232,7 +230,7 @@ def _canonical_value(value: Any, dtype: np.dtype) -> Any:
         with np.errstate(over="ignore"):  # float overflow gives inf, as in JAX
             out = np.asarray(value, dtype)[()]
     else:
-        with eval_context():
+        with qax.utils.eval_context():
             out = np.asarray(jnp.asarray(_scalar_value(value), dtype=dtype))[()]
     if out != out:  # NaN: one object per bit pattern, so treedefs compare equal
         out = _nans.setdefault((dtype, out.tobytes()), out)
@@ -256,7 +254,7 @@ def _scalar(value: Any, weak_type: bool) -> Any:
     key = (value.dtype, value.tobytes())
     out = _scalar_arrays.get(key)
     if out is None:
-        with eval_context():
+        with qax.utils.eval_context():
             out = lax.convert_element_type_p.bind(
                 jnp.asarray(value), new_dtype=value.dtype, weak_type=True, sharding=None
             )
@@ -274,7 +272,7 @@ def _broadcast(value: Any, weak_type: bool, shape: tuple[int, ...]) -> jax.Array
 
 
 def _aval_of(x: Any) -> ShapedArray:
-    if isinstance(x, ImplicitArray):
+    if isinstance(x, qax.ImplicitArray):
         return x.aval
     if isinstance(x, jax.ShapeDtypeStruct):
         return ShapedArray(x.shape, x.dtype, weak_type=bool(x.weak_type))
@@ -291,11 +289,11 @@ def _as_constant(x: Any) -> SymbolicConstant | None:
     """`x` as a constant if it is one: a `SymbolicConstant` or a concrete rank-0 array."""
     if isinstance(x, SymbolicConstant):
         return x
-    if isinstance(x, ImplicitArray) or np.ndim(x) != 0:
+    if isinstance(x, qax.ImplicitArray) or np.ndim(x) != 0:
         return None
     aval = jax.typeof(x)
     if isinstance(x, Tracer):
-        x = known_constant(x)
+        x = qax.utils.known_constant(x)
         if x is None or np.ndim(x) != 0:
             return None
     return _constant(np.asarray(x, aval.dtype)[()], aval)
@@ -331,7 +329,7 @@ def _evaluate(primitive, values: tuple, params: dict) -> Any:
     """Run `primitive` eagerly on NumPy scalars (also while a `jit` is tracing)."""
 
     def run():
-        with eval_context():
+        with qax.utils.eval_context():
             return np.asarray(primitive.bind(*values, **params))[()]
 
     key = (primitive, tuple((v.dtype, v.tobytes()) for v in values))
@@ -358,20 +356,20 @@ def _fold(primitive, constants: tuple, params: dict) -> SymbolicConstant:
     return _constant(value, aval)
 
 
-_FOLDED_UNARY = sorted(ELEMENTWISE_UNOPS | {"convert_element_type"})
+_FOLDED_UNARY = sorted(qax.constants.ELEMENTWISE_UNOPS | {"convert_element_type"})
 
 
-@primitive_handler(_FOLDED_UNARY)
+@qax.primitive_handler(_FOLDED_UNARY)
 def _fold_unary(primitive, x: SymbolicConstant, **params):
     return _fold(primitive, (x,), params)
 
 
-@primitive_handler(sorted(ELEMENTWISE_BINOPS))
+@qax.primitive_handler(sorted(qax.constants.ELEMENTWISE_BINOPS))
 def _fold_binary(primitive, x: SymbolicConstant, y: SymbolicConstant, **params):
     return _fold(primitive, (x, y), params)
 
 
-@primitive_handler("clamp")
+@qax.primitive_handler("clamp")
 def _fold_clamp(
     primitive, lo: SymbolicConstant, x: SymbolicConstant, hi: SymbolicConstant, **params
 ):
@@ -439,17 +437,17 @@ def _absorbed(name: str, c: SymbolicConstant, const_first: bool) -> Any:
 
 
 def _aval(x: Any) -> ShapedArray:
-    return x.aval if isinstance(x, ImplicitArray) else jax.typeof(x)
+    return x.aval if isinstance(x, qax.ImplicitArray) else jax.typeof(x)
 
 
 def _fit(x: Any, aval: ShapedArray) -> Any:
     """`x` broadcast to `aval.shape` and given its weak type, as JAX would produce it."""
     if isinstance(x, SymbolicConstant):
         return _constant(x.value, aval) if x.aval != aval else x
-    if isinstance(x, ImplicitArray):
+    if isinstance(x, qax.ImplicitArray):
         if tuple(x.shape) == tuple(aval.shape):
             return x
-        return use_implicit_args(jnp.broadcast_to)(x, aval.shape)
+        return qax.use_implicit_args(jnp.broadcast_to)(x, aval.shape)
     x_aval = jax.typeof(x)
     if x_aval.shape != aval.shape:
         x = lax.broadcast_in_dim(
@@ -479,17 +477,19 @@ def _with_constant(primitive, c: SymbolicConstant, x: Any, const_first: bool, pa
         args = (scalar, x) if const_first else (x, scalar)
         return primitive.bind(*args, **params)
 
-    result = use_implicit_args(run)(x) if isinstance(x, ImplicitArray) else run(x)
+    result = (
+        qax.use_implicit_args(run)(x) if isinstance(x, qax.ImplicitArray) else run(x)
+    )
     return _fit(result, out)
 
 
-@primitive_handler(sorted(ELEMENTWISE_BINOPS), precedence=-1)
-def _constant_lhs(primitive, c: SymbolicConstant, x: ArrayValue, **params):
+@qax.primitive_handler(sorted(qax.constants.ELEMENTWISE_BINOPS), precedence=-1)
+def _constant_lhs(primitive, c: SymbolicConstant, x: qax.ArrayValue, **params):
     return _with_constant(primitive, c, x, True, params)
 
 
-@primitive_handler(sorted(ELEMENTWISE_BINOPS), precedence=-1)
-def _constant_rhs(primitive, x: ArrayValue, c: SymbolicConstant, **params):
+@qax.primitive_handler(sorted(qax.constants.ELEMENTWISE_BINOPS), precedence=-1)
+def _constant_rhs(primitive, x: qax.ArrayValue, c: SymbolicConstant, **params):
     return _with_constant(primitive, c, x, False, params)
 
 
@@ -530,7 +530,7 @@ def _reduced_value(name: str, value: Any, n: int) -> Any:
     }[name](dtype)
 
 
-@primitive_handler(
+@qax.primitive_handler(
     ["reduce_sum", "reduce_prod", "reduce_max", "reduce_min", "reduce_and", "reduce_or"]
     + ["reduce_xor"]
 )
@@ -541,7 +541,7 @@ def _reduce(primitive, x: SymbolicConstant, *, axes, **params):
     return _constant(_canonical_value(value, np.dtype(out.dtype)), out)
 
 
-@primitive_handler(["argmax", "argmin"])
+@qax.primitive_handler(["argmax", "argmin"])
 def _arg_reduce(primitive, x: SymbolicConstant, *, axes, index_dtype):
     if any(x.shape[a] == 0 for a in axes):
         return NotImplemented
@@ -568,8 +568,8 @@ _MOVING = [
 ]
 
 
-@primitive_handler(_MOVING, precedence=-1)
-def _keep_value(primitive, x: SymbolicConstant, *rest: ArrayValue, **params):
+@qax.primitive_handler(_MOVING, precedence=-1)
+def _keep_value(primitive, x: SymbolicConstant, *rest: qax.ArrayValue, **params):
     out = _out_aval(primitive, (x.aval, *map(_aval, rest)), params)
     if primitive.multiple_results:
         return [_constant(x.value, o) for o in out]
@@ -579,14 +579,14 @@ def _keep_value(primitive, x: SymbolicConstant, *rest: ArrayValue, **params):
 _CLAMPED = (lax.GatherScatterMode.CLIP, lax.GatherScatterMode.PROMISE_IN_BOUNDS)
 
 
-@primitive_handler("gather", precedence=-1)
-def _gather(primitive, x: SymbolicConstant, indices: ArrayValue, **params):
+@qax.primitive_handler("gather", precedence=-1)
+def _gather(primitive, x: SymbolicConstant, indices: qax.ArrayValue, **params):
     if params.get("mode") not in _CLAMPED:  # out-of-bounds reads give the fill value
         return NotImplemented
     return _constant(x.value, _out_aval(primitive, (x.aval, _aval(indices)), params))
 
 
-@primitive_handler("concatenate")
+@qax.primitive_handler("concatenate")
 def _concatenate(primitive, *xs: SymbolicConstant, **params):
     if not all(x._same_value(xs[0]) for x in xs):
         return NotImplemented
@@ -595,17 +595,21 @@ def _concatenate(primitive, *xs: SymbolicConstant, **params):
     )
 
 
-@primitive_handler("pad", precedence=-1)
-def _pad(primitive, x: SymbolicConstant, padding_value: ArrayValue, **params):
+@qax.primitive_handler("pad", precedence=-1)
+def _pad(primitive, x: SymbolicConstant, padding_value: qax.ArrayValue, **params):
     fill = _as_constant(padding_value)
     if fill is None or not x._same_value(fill):
         return NotImplemented
     return _constant(x.value, _out_aval(primitive, (x.aval, fill.aval), params))
 
 
-@primitive_handler("dynamic_update_slice", precedence=-1)
+@qax.primitive_handler("dynamic_update_slice", precedence=-1)
 def _update_slice(
-    primitive, x: SymbolicConstant, update: SymbolicConstant, *idx: ArrayValue, **params
+    primitive,
+    x: SymbolicConstant,
+    update: SymbolicConstant,
+    *idx: qax.ArrayValue,
+    **params,
 ):
     if not x._same_value(update):
         return NotImplemented
@@ -613,8 +617,8 @@ def _update_slice(
     return _constant(x.value, _out_aval(primitive, avals, params))
 
 
-@primitive_handler("select_n", precedence=-1)
-def _select_n(primitive, which: ArrayValue, *cases: ArrayValue):
+@qax.primitive_handler("select_n", precedence=-1)
+def _select_n(primitive, which: qax.ArrayValue, *cases: qax.ArrayValue):
     constants = [c for c in cases if isinstance(c, SymbolicConstant)]
     if not isinstance(which, SymbolicConstant) and not constants:
         return NotImplemented
@@ -625,8 +629,8 @@ def _select_n(primitive, which: ArrayValue, *cases: ArrayValue):
     if len(constants) == len(cases) and all(c._same_value(cases[0]) for c in cases):
         return _constant(cases[0].value, out)
     dense = [_dense_case(c, out) for c in cases]
-    if any(isinstance(c, ImplicitArray) for c in dense):
-        return use_implicit_args(lax.select_n)(which, *dense)
+    if any(isinstance(c, qax.ImplicitArray) for c in dense):
+        return qax.use_implicit_args(lax.select_n)(which, *dense)
     return lax.select_n(which, *dense)
 
 
@@ -640,9 +644,9 @@ def _dense_case(case: Any, out: ShapedArray) -> Any:
 # Control flow on a known index
 
 
-@primitive_handler("cond")
+@qax.primitive_handler("cond")
 def _cond(
-    primitive, index: SymbolicConstant, *operands: ArrayValue, branches, **params
+    primitive, index: SymbolicConstant, *operands: qax.ArrayValue, branches, **params
 ):
     """A `lax.cond`/`lax.switch` whose branch index is known: only that branch runs.
 
@@ -651,8 +655,8 @@ def _cond(
     i = int(index.value)
     branch = branches[i if 0 <= i < len(branches) else len(branches) - 1]
     run = jaxpr_as_fun(branch)
-    if any(isinstance(x, ImplicitArray) for x in operands):
-        return use_implicit_args(run)(*operands)
+    if any(isinstance(x, qax.ImplicitArray) for x in operands):
+        return qax.use_implicit_args(run)(*operands)
     return run(*operands)
 
 
@@ -677,16 +681,16 @@ def _dot(primitive, lhs, rhs, params):
     return _constant(_times(product, k), out)
 
 
-@primitive_handler("dot_general")
+@qax.primitive_handler("dot_general")
 def _dot_constants(primitive, lhs: SymbolicConstant, rhs: SymbolicConstant, **params):
     return _dot(primitive, lhs, rhs, params)
 
 
-@primitive_handler("dot_general", precedence=-1)
-def _dot_constant_lhs(primitive, lhs: SymbolicConstant, rhs: ArrayValue, **params):
+@qax.primitive_handler("dot_general", precedence=-1)
+def _dot_constant_lhs(primitive, lhs: SymbolicConstant, rhs: qax.ArrayValue, **params):
     return _dot(primitive, lhs, rhs, params)
 
 
-@primitive_handler("dot_general", precedence=-1)
-def _dot_constant_rhs(primitive, lhs: ArrayValue, rhs: SymbolicConstant, **params):
+@qax.primitive_handler("dot_general", precedence=-1)
+def _dot_constant_rhs(primitive, lhs: qax.ArrayValue, rhs: SymbolicConstant, **params):
     return _dot(primitive, lhs, rhs, params)

@@ -1,5 +1,9 @@
-"""Training and tree utilities: optax helpers, `vmap_all_but_one`, implicit-aware trees."""
+"""Training and tree utilities: optax helpers, `vmap_all_but_one`, implicit-aware trees,
+and the trace-time tools that handlers folding constants need (`eval_context`,
+`known_constant`)."""
 
+from ._compat import eval_context as eval_context
+from ._compat import known_constant as known_constant
 from ._entry import materialize_nested as materialize_nested
 from ._fields import batch_ndim as batch_ndim
 from ._optax import apply_updates as apply_updates
@@ -10,6 +14,7 @@ from ._structure import get_common_prefix_transforms as get_common_prefix_transf
 from ._tree_util import EmptyNode as EmptyNode
 from ._tree_util import flatten_one_implicit_layer as flatten_one_implicit_layer
 from ._tree_util import implicit_depth as implicit_depth
+from ._tree_util import path_string as path_string
 from ._tree_util import tree_flatten_with_implicit as tree_flatten_with_implicit
 from ._tree_util import (
     tree_flatten_with_path_with_implicit as tree_flatten_with_path_with_implicit,
@@ -27,12 +32,15 @@ __all__ = [
     "EmptyNode",
     "apply_updates",
     "batch_ndim",
+    "eval_context",
     "flatten_one_implicit_layer",
     "freeze_keys",
     "freeze_subtrees",
     "get_common_prefix_transforms",
     "implicit_depth",
+    "known_constant",
     "materialize_nested",
+    "path_string",
     "set_to_zero_scalar",
     "tree_flatten_with_implicit",
     "tree_flatten_with_path_with_implicit",

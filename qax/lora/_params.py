@@ -1,0 +1,256 @@
+"""Parameter trees: put `LoraWeight`s into any params pytree and take them apart again
+(see `qax.lora`). This module uses qax's public API only.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import qax
+
+from ._weight import LoraAdapter, LoraWeight
+
+
+def _is_lora(x: Any) -> bool:
+    return isinstance(x, LoraWeight)
+
+
+_EXCLUDED = re.compile(r"embed|norm|bias|^ln(_|\d|$)|^wte$|^wpe$|^(pos|tok)_emb", re.I)
+
+
+def default_filter(path: str, leaf: Any) -> bool:
+    """`loraify`'s default: every floating-point weight with 2 or more axes, except
+    embeddings, normalisation parameters and biases.
+
+    A weight is left out when a component of its path contains ``embed``, ``norm`` or
+    ``bias`` (``embedding``, ``Embed_0``, ``layer_norm``, ``RMSNorm``; Equinox
+    convolution biases have shape ``(out, 1, 1)``), starts with ``ln`` followed
+    by ``_``, a digit or nothing (``ln_f``, ``ln1``), or is ``wte``/``wpe`` (GPT-2's token
+    and position tables).
+
+    >>> qax.lora.default_filter("h_0/attn/c_attn/kernel", jnp.ones((4, 12)))
+    True
+    >>> qax.lora.default_filter("wte/embedding", jnp.ones((64, 4)))
+    False
+
+    Args:
+      path: the leaf's key path as a string (see `loraify`).
+      leaf: the parameter.
+
+    Returns:
+      Whether the parameter gets a LoRA.
+    """
+    if not hasattr(leaf, "shape") or len(leaf.shape) < 2:
+        return False
+    if not jnp.issubdtype(leaf.dtype, jnp.floating):
+        return False
+    return not any(_EXCLUDED.search(part) for part in path.split("/"))
+
+
+_BAD_SPLIT = (
+    "loraify: split_at={split_at} for the weight at {path!r} of shape {shape}; it must "
+    "leave at least one axis to each factor (1 <= split_at <= {most})."
+)
+
+
+def loraify(
+    params: Any,
+    rank: int,
+    *,
+    key: jax.Array,
+    alpha: float | None = None,
+    filter: Callable[[str, Any], bool] | None = None,
+    split_at: int | Callable[[str, Any], int] | None = None,
+    freeze_w: bool = True,
+    dtype: Any = None,
+    batch_ndim: int | Callable[[str, Any], int] = 0,
+) -> Any:
+    """Turn chosen weights of any params pytree into `LoraWeight`s.
+
+    Works on any pytree: a Flax linen ``params`` dict, an NNX ``State``, an Equinox
+    module, a dict of arrays. Quantized weights (`qax.quant`) are weights too (QLoRA). The
+    new factors follow PEFT's initialisation: ``a`` is Gaussian with standard deviation
+    ``1 / sqrt(fan_in)`` (``fan_in`` = the size of ``a``'s weight axes) and ``b`` is zero,
+    so the model computes exactly what it computed before.
+
+    >>> params = qax.lora.loraify(params, 8, key=jax.random.key(0), alpha=16.0)
+    >>> qax.lora.trainable_count(params)
+    12288
+
+    Args:
+      params: the parameters.
+      rank: the LoRA rank.
+      key: a PRNG key for the ``a`` factors (folded with each weight's path).
+      alpha: the scale numerator (``alpha / rank``); ``None`` means a scale of 1.
+      filter: ``filter(path, leaf) -> bool`` chooses the weights; ``path`` is the leaf's
+        key path as ``"a/b/c"`` (NNX states end in ``/value``). Default:
+        `default_filter` (every 2-D+ weight but embeddings and norms).
+      split_at: where a weight's axes split between the factors: ``a`` takes the axes
+        before it, ``b`` the rest (an int, or a function of ``(path, leaf)``). Default:
+        all but the last axis go to ``a`` (Flax ``(in, out)`` kernels and
+        ``(*spatial, in, out)`` convolutions); use ``1`` for Equinox ``(out, in, ...)``
+        weights. (Not `LoraWeight.a_ndim`, the rank of ``a``, which is ``split_at + 1``.)
+      freeze_w: passed to every `LoraWeight`.
+      dtype: the dtype of the new factors (default: the weight's).
+      batch_ndim: leading axes of a chosen weight that stack independent weights
+        (layers stacked for `lax.scan`), an int or a function of ``(path, leaf)``: each
+        layer gets its own factors, ``a`` of shape ``(L, *A, rank)`` and ``b``
+        ``(L, rank, *B)``, and `lax.scan` over the stack slices the `LoraWeight`
+        without forming it.
+
+    Returns:
+      ``params`` with the chosen weights replaced by `LoraWeight`s.
+
+    Raises:
+      ValueError: ``rank`` is not positive, or ``split_at`` leaves a factor no axis.
+    """
+    if int(rank) < 1:
+        raise ValueError(f"loraify: rank must be a positive integer, got {rank!r}.")
+    choose = default_filter if filter is None else filter
+
+    def convert(path, leaf):
+        name = qax.utils.path_string(path)
+        if _is_lora(leaf) or not choose(name, leaf):
+            return leaf
+        nb = batch_ndim(name, leaf) if callable(batch_ndim) else batch_ndim
+        if len(leaf.shape) - nb < 2:
+            return leaf
+        lead, shape = tuple(leaf.shape[:nb]), tuple(leaf.shape[nb:])
+        p = split_at(name, leaf) if callable(split_at) else split_at
+        p = len(shape) - 1 if p is None else int(p)
+        if not 1 <= p <= len(shape) - 1:
+            raise ValueError(
+                _BAD_SPLIT.format(
+                    split_at=p, path=name, shape=leaf.shape, most=len(shape) - 1
+                )
+            )
+        factor_dtype = dtype or leaf.dtype
+        k = jax.random.fold_in(key, zlib.crc32(name.encode()) % (2**31))
+        fan_in = math.prod(shape[:p])
+        a = jax.random.normal(k, (*lead, *shape[:p], rank), jnp.float32)
+        a = (a / np.sqrt(fan_in)).astype(factor_dtype)
+        b = jnp.zeros((*lead, rank, *shape[p:]), factor_dtype)
+        return LoraWeight(leaf, a, b, alpha=alpha, freeze_w=freeze_w)
+
+    return qax.utils.tree_map_with_path_with_implicit(convert, params)
+
+
+def merge(params: Any) -> Any:
+    """Dense parameters for serving: every `LoraWeight` becomes ``w + s·a⊗b``.
+
+    A quantized base weight is dequantized (the merged weight is dense).
+
+    >>> dense = qax.lora.merge(params)  # runs without use_implicit_args
+
+    Args:
+      params: parameters holding `LoraWeight`s.
+
+    Returns:
+      The same tree with plain arrays in place of the `LoraWeight`s.
+    """
+
+    def one(x: Any) -> Any:
+        if not _is_lora(x):
+            return x
+        return qax.materialize_nested(x, full=True)
+
+    return jax.tree_util.tree_map(one, params, is_leaf=_is_lora)
+
+
+def split(params: Any) -> tuple[Any, Any]:
+    """Separate the trainable factors from everything else.
+
+    Returns ``(adapters, base)``: ``adapters`` has the structure of ``params`` with a
+    `LoraAdapter` (``a``, ``b``) in place of each `LoraWeight` and ``None`` elsewhere
+    (save it alone: a few MB); ``base`` is ``params`` with each `LoraWeight` replaced by
+    its ``w`` (the pretrained weights, possibly quantized). ``combine(adapters, base)``
+    rebuilds ``params``.
+
+    >>> adapters, base = qax.lora.split(params)
+    >>> opt_state = optax.adam(1e-3).init(adapters)
+
+    Args:
+      params: parameters holding `LoraWeight`s.
+
+    Returns:
+      ``(adapters, base)``.
+    """
+
+    def adapter(x: Any) -> Any:
+        if not _is_lora(x):
+            return None
+        return LoraAdapter(x.a, x.b, alpha=x.alpha, freeze_w=x.freeze_w)
+
+    def frozen(x: Any) -> Any:
+        return x.w if _is_lora(x) else x
+
+    adapters = jax.tree_util.tree_map(adapter, params, is_leaf=_is_lora)
+    base = jax.tree_util.tree_map(frozen, params, is_leaf=_is_lora)
+    return adapters, base
+
+
+_BAD_COMBINE = (
+    "combine: `adapters` must have the structure of the `base` parameters, with a "
+    "LoraAdapter or None at each weight (as `qax.lora.split` returns): {error}"
+)
+
+
+def combine(adapters: Any, base: Any) -> Any:
+    """Inverse of `split`: put each `LoraAdapter` back on its base weight.
+
+    >>> params = qax.lora.combine(adapters, base)
+
+    Args:
+      adapters: a tree from `split` (`LoraAdapter` or ``None`` per weight).
+      base: the base parameters (the second result of `split`), e.g. restored from a
+        checkpoint or quantized with `qax.quant.quantize`.
+
+    Returns:
+      The parameters with `LoraWeight`s.
+
+    Raises:
+      ValueError: the two trees do not match.
+    """
+
+    def is_leaf(x: Any) -> bool:
+        return x is None or isinstance(x, LoraAdapter)
+
+    def one(adapter: Any, w: Any) -> Any:
+        if adapter is None:
+            return w
+        return LoraWeight(
+            w, adapter.a, adapter.b, alpha=adapter.alpha, freeze_w=adapter.freeze_w
+        )
+
+    try:
+        return jax.tree_util.tree_map(one, adapters, base, is_leaf=is_leaf)
+    except (ValueError, TypeError) as e:
+        raise ValueError(_BAD_COMBINE.format(error=e)) from None
+
+
+def trainable_count(params: Any) -> int:
+    """The number of trainable LoRA numbers: the sizes of every ``a`` and ``b``.
+
+    >>> qax.lora.trainable_count(qax.lora.loraify({"w": jnp.ones((4, 3))}, 2, key=k))
+    14
+
+    Args:
+      params: parameters holding `LoraWeight`s (or the adapters from `split`).
+
+    Returns:
+      The total size of the factors.
+    """
+
+    def is_leaf(x: Any) -> bool:
+        return _is_lora(x) or isinstance(x, LoraAdapter)
+
+    found = jax.tree_util.tree_leaves(params, is_leaf=is_leaf)
+    return sum(int(np.size(x.a)) + int(np.size(x.b)) for x in found if is_leaf(x))
