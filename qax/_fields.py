@@ -147,10 +147,11 @@ class Fields:
     aux: tuple[str, ...]
     ndims: tuple[int | str | None, ...]
     dynamic: bool = False  # some rank is held by an aux field
+    # Every child has a declared rank (read on every new instance: computed once).
+    declared: bool = dataclasses.field(init=False)
 
-    @property
-    def declared(self) -> bool:
-        return all(n is not None for n in self.ndims)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "declared", all(n is not None for n in self.ndims))
 
     def ranks(self, d: dict) -> tuple:
         """The declared ranks of the children of the instance whose `__dict__` is `d`."""

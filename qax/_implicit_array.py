@@ -226,7 +226,7 @@ class ImplicitArray(ImplicitBase):
 
     def _resolve_from_materialize(self, missing: str | None) -> None:
         try:
-            out = _eval_shape_of_materialize(self)
+            out = _materialized_aval(self)
         except Exception as e:  # noqa: BLE001 (any failure means "cannot infer")
             if missing:
                 raise UninitializedAval(
@@ -456,6 +456,46 @@ def _short(x: Any) -> str:
 
 def _canonical_dtype(dtype: Any) -> np.dtype:
     return jax.dtypes.canonicalize_dtype(dtype)
+
+
+# Per class: (treedef, leaf avals) -> the `jax.ShapeDtypeStruct` of `materialize()`.
+# `materialize` is traced on abstract leaves, so its result's shape and dtype depend on
+# nothing else; a handler that returns a new instance of a type without `compute_shape`
+# then pays a dictionary lookup instead of a trace.
+_SHAPES = "_qax_materialized_shapes"
+_SHAPES_LIMIT = 1024
+
+
+def _materialized_aval(obj: ImplicitArray) -> Any:
+    """`_eval_shape_of_materialize(obj)`, cached per class and leaf avals."""
+    cls = type(obj)
+    try:
+        leaves, tree = jax.tree_util.tree_flatten(obj)
+        key = (tree, tuple(map(_leaf_key, leaves)))
+        hash(key)
+    except TypeError:  # an unhashable aux field, or a leaf that is not an array
+        return _eval_shape_of_materialize(obj)
+    cache = cls.__dict__.get(_SHAPES)
+    if cache is None:
+        cache = {}
+        type.__setattr__(cls, _SHAPES, cache)
+    found = cache.get(key)
+    if found is None:
+        found = _eval_shape_of_materialize(obj)
+        if len(cache) >= _SHAPES_LIMIT:
+            cache.clear()
+        cache[key] = found
+    return found
+
+
+def _leaf_key(leaf: Any) -> tuple:
+    """What tracing `materialize()` sees of one leaf: shape, dtype, weak type."""
+    aval = getattr(leaf, "aval", None)  # arrays and tracers, without their sharding
+    if aval is None:
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            return (leaf.shape, leaf.dtype, bool(leaf.weak_type))
+        aval = jax.typeof(leaf)
+    return (aval.shape, aval.dtype, aval.weak_type)
 
 
 def _eval_shape_of_materialize(obj: ImplicitArray) -> Any:

@@ -1,0 +1,173 @@
+"""The package's layering (docs/architecture.md): read from the source with `ast`.
+
+- the built-in types (`qax.symbols`, `qax.lora`, `qax.quant`) use qax's public API only;
+- only `qax/_compat.py` names JAX's private modules;
+- the core never imports the built-ins, and the imports have no cycles;
+- no module is longer than 700 lines.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+import qax
+
+PACKAGE = pathlib.Path(qax.__file__).parent
+BUILT_INS = ("symbols", "lora", "quant")
+MAX_LINES = 700
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    """Every module of the package by dotted name (``qax._rules.jit``)."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def _imports(name: str, path: pathlib.Path) -> list[tuple[str, int, list[str]]]:
+    """(imported module, line, imported names) for each import of a module, relative
+    imports resolved. Imports inside functions count too."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno, []) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            out.append((base, node.lineno, [a.name for a in node.names]))
+    return out
+
+
+def _private_attributes(path: pathlib.Path) -> list[tuple[int, str]]:
+    """``qax._something`` attribute reads in a module."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            target = node.value
+            chain = []
+            while isinstance(target, ast.Attribute):
+                chain.append(target.attr)
+                target = target.value
+            if isinstance(target, ast.Name) and target.id == "qax":
+                found.append(
+                    (node.lineno, ".".join(["qax", *reversed(chain), node.attr]))
+                )
+    return found
+
+
+def _is_built_in(name: str) -> bool:
+    return any(name == f"qax.{b}" or name.startswith(f"qax.{b}.") for b in BUILT_INS)
+
+
+@pytest.mark.parametrize("built_in", BUILT_INS)
+def test_built_ins_use_the_public_api_only(built_in):
+    modules = {n: p for n, p in _modules().items() if _is_built_in(n)}
+    modules = {n: p for n, p in modules.items() if n.split(".")[1] == built_in}
+    assert modules, built_in
+    bad = []
+    for name, path in modules.items():
+        for module, line, names in _imports(name, path):
+            own = module == f"qax.{built_in}" or module.startswith(f"qax.{built_in}.")
+            if own:
+                continue  # the built-in's own package (`qax.lora._weight`)
+            top = module.split(".")[0]
+            private = any(part.startswith("_") for part in module.split(".")[1:])
+            if top == "qax" and (private or any(n.startswith("_") for n in names)):
+                bad.append(f"{path.name}:{line} imports {module} {names}")
+            if module.startswith("jax._src"):
+                bad.append(f"{path.name}:{line} imports JAX's private {module}")
+        bad += [
+            f"{path.name}:{line} reads {attr}"
+            for line, attr in _private_attributes(path)
+        ]
+    assert not bad, "\n".join(bad)
+
+
+def test_only_compat_imports_jax_private_modules():
+    bad = [
+        f"{name}:{line} imports {module}"
+        for name, path in _modules().items()
+        if name != "qax._compat"
+        for module, line, _ in _imports(name, path)
+        if module.startswith("jax._src") or module == "jaxlib._jax"
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_core_never_imports_the_built_ins():
+    # The built-ins, and the glue above them (`qax.utils`, `qax._optax`, the package),
+    # may import them; everything else is below them.
+    above = {
+        "qax",
+        "qax._optax",
+        "qax.utils",
+        "qax.testing",
+        "qax.examples",
+        "qax.examples.models",
+    }
+    bad = []
+    for name, path in _modules().items():
+        if _is_built_in(name) or name in above:
+            continue
+        for module, line, names in _imports(name, path):
+            targets = [module, *(f"{module}.{n}" for n in names)]
+            if any(_is_built_in(t) for t in targets):
+                bad.append(f"{name}:{line} imports {module} {names}")
+    assert not bad, "\n".join(bad)
+
+
+def test_private_imports_have_no_cycles():
+    modules = _modules()
+    graph = {}
+    for name, path in modules.items():
+        edges = set()
+        for module, _, names in _imports(name, path):
+            for target in (module, *(f"{module}.{n}" for n in names)):
+                if target in modules and target != name and target != "qax":
+                    edges.add(target)
+        graph[name] = edges
+    # `import qax` from a built-in is the intended arrow back up (see the package's
+    # `__init__`: they are imported after the names they use); every other arrow must
+    # leave no cycle.
+    state: dict[str, int] = {}
+    cycle: list[str] = []
+
+    def visit(node: str, stack: list[str]) -> bool:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycle.extend([*stack[stack.index(nxt) :], nxt])
+                return True
+            if state.get(nxt) is None and visit(nxt, [*stack, nxt]):
+                return True
+        state[node] = 2
+        return False
+
+    for node in sorted(graph):
+        if state.get(node) is None and visit(node, [node]):
+            break
+    assert not cycle, " -> ".join(cycle)
+
+
+def test_no_module_is_longer_than_700_lines():
+    long = {
+        name: n
+        for name, path in _modules().items()
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, long
