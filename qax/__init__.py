@@ -1,6 +1,6 @@
 """qax: arrays represented one way that behave like another, for any JAX code."""
 
-from . import _higher_order as _higher_order  # noqa: F401 (registers structural rules)
+from . import _rules as _rules  # noqa: F401 (registers structural rules)
 from . import checkpoint as checkpoint
 from . import constants as constants
 from . import sharding as sharding
