@@ -262,7 +262,7 @@ def register_lowering_fun(primitive: Primitive, fn) -> None:
     )
 
 
-# -- used by the higher-order rules (`qax/_higher_order.py`) ------------------------------
+# -- used by the structural rules (`qax/_rules/`) -----------------------------------------
 
 pvary_p = getattr(_core, "pvary_p", None)
 Zero = _ad_util.Zero
@@ -367,7 +367,7 @@ def forget_export_serialization(nodetype: type, serialized_name: str) -> None:
 
 # -- parameter layouts of primitives whose rules rebind them ------------------------------
 #
-# The parameters that qax's rules read or set, per primitive (`qax/_higher_order.py`,
+# The parameters that qax's rules read or set, per primitive (`qax/_rules/`,
 # `qax/_interpreter.py`). `tests/test_compat.py` checks each on the installed JAX; where
 # versions differ, the functions below read them.
 
