@@ -1,7 +1,7 @@
 """qax: arrays represented one way that behave like another, for any JAX code."""
 
 # The core: the class users subclass, the interpreter's entry points, handler tables.
-from . import _higher_order as _higher_order  # noqa: F401 (registers the rules)
+from . import _rules as _rules  # noqa: F401 (registers the rules)
 from . import constants as constants
 from ._audit import materialization_audit as materialization_audit
 from ._audit import materialization_policy as materialization_policy

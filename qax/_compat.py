@@ -75,6 +75,12 @@ def canonicalize_value(x):
     return _dtypes.canonicalize_value(x)
 
 
+def jaxpr_as_function(closed: ClosedJaxpr) -> Callable:
+    """A closed jaxpr (a `cond` branch, a `jit` body in a handler's parameters) as a
+    function of its inputs that returns the list of its outputs."""
+    return jaxpr_as_fun(closed)
+
+
 def eval_context():
     """A context in which primitives run eagerly on concrete values, whatever trace is
     current (also inside a handler traced under `jax.jit`): for handlers that fold
@@ -171,12 +177,16 @@ def bind_with_trace(trace: Trace, primitive: Primitive, args, params):
 
 
 def known_constant(x):
-    """The value of a `jit` tracer that stands for a known constant, else None.
+    """The value of `x` if it is known while tracing, else None: `x` itself when it is
+    concrete (an array, a NumPy or Python scalar), the literal a `jit` tracer stands
+    for, None for other tracers.
 
     Inside a traced function, a Python scalar that JAX promotes (``x * 2`` with a float
     ``x``) reaches other traces as a tracer of the staging trace, although its value is
     a literal; handlers that fold constants (`qax.symbols`) read it with this.
     """
+    if not isinstance(x, Tracer):
+        return x
     if isinstance(x, _pe.DynamicJaxprTracer):
         try:
             return x.get_const()
@@ -268,7 +278,7 @@ def register_lowering_fun(primitive: Primitive, fn) -> None:
     )
 
 
-# -- used by the higher-order rules (`qax/_higher_order.py`) ------------------------------
+# -- used by the structural rules (`qax/_rules/`) -----------------------------------------
 
 pvary_p = getattr(_core, "pvary_p", None)
 Zero = _ad_util.Zero
@@ -373,7 +383,7 @@ def forget_export_serialization(nodetype: type, serialized_name: str) -> None:
 
 # -- parameter layouts of primitives whose rules rebind them ------------------------------
 #
-# The parameters that qax's rules read or set, per primitive (`qax/_higher_order.py`,
+# The parameters that qax's rules read or set, per primitive (`qax/_rules/`,
 # `qax/_interpreter.py`). `tests/test_compat.py` checks each on the installed JAX; where
 # versions differ, the functions below read them.
 

@@ -14,7 +14,7 @@ replicated along the array's own dimensions; when the spec partitions one of tho
 the caller decides (`qax.sharding` raises, the structural rules fall back and warn).
 
 Used by `qax.sharding` (placement) and by the rules for `jit` shardings,
-`with_sharding_constraint`, `device_put` and `shard_map` (qax/_higher_order.py).
+`with_sharding_constraint`, `device_put` and `shard_map` (`qax/_rules/`).
 """
 
 from __future__ import annotations

@@ -53,8 +53,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.core import ShapedArray, Tracer
-from jax.extend.core import jaxpr_as_fun
 
 import qax
 
@@ -72,8 +70,10 @@ _TRACED_VALUE = (
 )
 
 
+Aval = Any  # an abstract value (a `jax.core.ShapedArray`, what `jax.typeof` returns)
+
 # Abstract values by (shape, dtype, weak type): tracing asks for them on every operation.
-_avals: dict[tuple, ShapedArray] = {}
+_avals: dict[tuple, Aval] = {}
 _CACHE_LIMIT = 8192
 
 
@@ -113,8 +113,10 @@ class SymbolicConstant(qax.ImplicitArray):
 
     def __post_init__(self) -> None:
         value = self.value
-        if isinstance(value, Tracer):
+        known = qax.utils.known_constant(value)
+        if known is None:
             raise TypeError(_TRACED_VALUE.format(aval=jax.typeof(value).str_short()))
+        self.value = value = known
         if np.ndim(value) != 0:
             raise ValueError(_NOT_SCALAR.format(shape=np.shape(value)))
         if self.weak_type is None or self.dtype is None:
@@ -132,13 +134,15 @@ class SymbolicConstant(qax.ImplicitArray):
         super().__post_init__()
 
     @property
-    def aval(self) -> ShapedArray:
+    def aval(self) -> Aval:
         key = (self.shape, self.dtype, self.weak_type)
         aval = _avals.get(key)
         if aval is None:
             if len(_avals) > _CACHE_LIMIT:
                 _avals.clear()
-            aval = _avals[key] = ShapedArray(*key[:2], weak_type=key[2])
+            aval = _avals[key] = jax.typeof(
+                jax.ShapeDtypeStruct(*key[:2], weak_type=key[2])
+            )
         return aval
 
     def materialize(self) -> jax.Array:
@@ -210,7 +214,7 @@ def symbolic_zero_like(
 
 
 def _scalar_value(value: Any) -> Any:
-    if isinstance(value, jax.Array) and not isinstance(value, Tracer):
+    if isinstance(value, jax.Array) and qax.utils.known_constant(value) is value:
         return np.asarray(value)[()] if value.ndim == 0 else value
     return value
 
@@ -271,15 +275,15 @@ def _broadcast(value: Any, weak_type: bool, shape: tuple[int, ...]) -> jax.Array
     return lax.broadcast_in_dim(scalar, shape, ())
 
 
-def _aval_of(x: Any) -> ShapedArray:
+def _aval_of(x: Any) -> Aval:
     if isinstance(x, qax.ImplicitArray):
         return x.aval
     if isinstance(x, jax.ShapeDtypeStruct):
-        return ShapedArray(x.shape, x.dtype, weak_type=bool(x.weak_type))
+        return jax.typeof(x)
     return jax.typeof(x)
 
 
-def _constant(value: Any, aval: ShapedArray) -> SymbolicConstant:
+def _constant(value: Any, aval: Aval) -> SymbolicConstant:
     return SymbolicConstant(
         value, shape=aval.shape, dtype=aval.dtype, weak_type=aval.weak_type
     )
@@ -292,10 +296,9 @@ def _as_constant(x: Any) -> SymbolicConstant | None:
     if isinstance(x, qax.ImplicitArray) or np.ndim(x) != 0:
         return None
     aval = jax.typeof(x)
-    if isinstance(x, Tracer):
-        x = qax.utils.known_constant(x)
-        if x is None or np.ndim(x) != 0:
-            return None
+    x = qax.utils.known_constant(x)
+    if x is None or np.ndim(x) != 0:
+        return None
     return _constant(np.asarray(x, aval.dtype)[()], aval)
 
 
@@ -436,11 +439,11 @@ def _absorbed(name: str, c: SymbolicConstant, const_first: bool) -> Any:
     return None
 
 
-def _aval(x: Any) -> ShapedArray:
+def _aval(x: Any) -> Aval:
     return x.aval if isinstance(x, qax.ImplicitArray) else jax.typeof(x)
 
 
-def _fit(x: Any, aval: ShapedArray) -> Any:
+def _fit(x: Any, aval: Aval) -> Any:
     """`x` broadcast to `aval.shape` and given its weak type, as JAX would produce it."""
     if isinstance(x, SymbolicConstant):
         return _constant(x.value, aval) if x.aval != aval else x
@@ -634,7 +637,7 @@ def _select_n(primitive, which: qax.ArrayValue, *cases: qax.ArrayValue):
     return lax.select_n(which, *dense)
 
 
-def _dense_case(case: Any, out: ShapedArray) -> Any:
+def _dense_case(case: Any, out: Aval) -> Any:
     if not isinstance(case, SymbolicConstant):
         return case
     return _broadcast(case.value, case.weak_type, out.shape)
@@ -654,7 +657,7 @@ def _cond(
     """
     i = int(index.value)
     branch = branches[i if 0 <= i < len(branches) else len(branches) - 1]
-    run = jaxpr_as_fun(branch)
+    run = qax.utils.jaxpr_as_function(branch)
     if any(isinstance(x, qax.ImplicitArray) for x in operands):
         return qax.use_implicit_args(run)(*operands)
     return run(*operands)

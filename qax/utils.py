@@ -1,8 +1,9 @@
 """Training and tree utilities: optax helpers, `vmap_all_but_one`, implicit-aware trees,
-and the trace-time tools that handlers folding constants need (`eval_context`,
-`known_constant`)."""
+and the tools that handlers folding constants at trace time need (`eval_context`,
+`known_constant`, `jaxpr_as_function`)."""
 
 from ._compat import eval_context as eval_context
+from ._compat import jaxpr_as_function as jaxpr_as_function
 from ._compat import known_constant as known_constant
 from ._entry import materialize_nested as materialize_nested
 from ._fields import batch_ndim as batch_ndim
@@ -38,6 +39,7 @@ __all__ = [
     "freeze_subtrees",
     "get_common_prefix_transforms",
     "implicit_depth",
+    "jaxpr_as_function",
     "known_constant",
     "materialize_nested",
     "path_string",

@@ -1,4 +1,4 @@
-"""Control-flow, call and annotation primitives on implicit arrays (`qax._higher_order`).
+"""Control-flow, call and annotation primitives on implicit arrays (`qax._rules`).
 
 Oracle: the same program on materialized arrays, for values and gradients, eagerly and
 under `jax.jit`. Unexpected materialization is an error (see setup.cfg).
@@ -31,7 +31,8 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 import qax
-from qax import _higher_order, _structure
+from qax import _structure
+from qax._rules import _staging
 
 X = jax.random.normal(keys(1, 7)[0], (3, 5))
 
@@ -71,13 +72,13 @@ def test_nested_jit_stays_a_jit_call_without_forming_the_weight():
 def _count_body_traces(monkeypatch) -> list:
     """Names of the bodies that `trace_body` stages from now on (for cache tests)."""
     calls = []
-    original = _higher_order.trace_body
+    original = _staging.trace_body
 
     def counting(*args, **kwargs):
         calls.append(args[3])
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(_higher_order, "trace_body", counting)
+    monkeypatch.setattr(_staging, "trace_body", counting)
     return calls
 
 

@@ -1,0 +1,233 @@
+"""Rules for `jit` and `checkpoint` (`remat`): bodies re-traced on implicit values.
+
+A body is staged over the leaves of its implicit operands, once per input signature
+(cached, see `_staging`), and the primitive is bound again on the leaves, so the parent
+sees one unit. Eager calls of a cached `jnp` wrapper run its compiled body directly.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from .. import _dispatch
+from .._base import ImplicitBase
+from .._compat import (
+    UNSPECIFIED,
+    ArrayImpl,
+    ClosedJaxpr,
+    Tracer,
+    bind_with_trace,
+    canonicalize_value,
+    eval_context,
+    eval_jaxpr,
+    is_inline_jit,
+    known_constant,
+    primitives_module,
+    typeof,
+    weakly_typed,
+)
+from .._eager import compile_jaxpr
+from .._interpreter import ImplicitTrace
+from .._report import replay
+from . import _staging
+from ._staging import (
+    TracedBody,
+    _cached,
+    _hoisted,
+    _leaf_shardings,
+    _per_leaf,
+    _same_for_all,
+    _signature,
+    _store,
+)
+
+# ----------------------------------------------------------------------------------------
+# jit
+
+
+def _jit_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list:
+    """A nested `jit` on implicit operands: its body, re-traced once per signature.
+
+    The body runs on the implicit values (so their handlers apply) and is staged over
+    their leaves; the result is bound as a `jit` again, so the parent sees one cached
+    unit (its differentiation, batching and compilation are cached by JAX too). `jnp`
+    wrappers (``inline=True``) stay inline; called eagerly, they are compiled and
+    dispatched through `jax.jit`'s fast path. Scalars with known values given to a
+    `jnp` wrapper are baked into the body, where a traced program sees them as literals.
+    """
+    closed = params["jaxpr"]
+    inline = is_inline_jit(params)
+    baked = _scalar_literals(vals) if inline else {}
+    dynamic = [v for i, v in enumerate(vals) if i not in baked]
+    # Bytes, not values: 0.0 and -0.0 are equal but fold differently.
+    scalars = tuple((i, np.asarray(v).tobytes(), typeof(v)) for i, v in baked.items())
+    key, flat_dynamic = _signature(dynamic, "jit", scalars)
+    entry = _cached(closed, key)
+    fresh = entry is None
+    if fresh:
+
+        def body(wrapped):
+            it = iter(wrapped)
+            args = [baked[i] if i in baked else next(it) for i in range(len(vals))]
+            return eval_jaxpr(closed.jaxpr, closed.consts, *args)
+
+        declared = [a for i, a in enumerate(closed.in_avals) if i not in baked]
+        traced, _ = _staging.trace_body(
+            trace, body, dynamic, params["name"], declared=declared
+        )
+        entry = _JitEntry(traced)
+        _store(closed, key, entry, [traced])
+    else:
+        replay(entry.traced.events)
+    traced = entry.traced
+    if inline and trace.eager and not fresh:
+        # Compiled on the second call of a signature: some `jnp` functions (`einsum`)
+        # stage a new jaxpr per call, for which JAX's own path is cheaper.
+        outs = entry.call(flat_dynamic)
+        return jax.tree_util.tree_unflatten(traced.out_tree, outs)
+
+    out_vals = traced.out_skeleton()
+    if baked:  # drop the baked operands' entries from the per-operand parameters
+        kept = [i not in baked for i in range(len(vals))]
+        per_operand = ("donated_invars", "in_shardings", "in_layouts")
+        params = params | {
+            n: tuple(itertools.compress(params[n], kept)) for n in per_operand
+        }
+
+    def sharding(p, value):
+        return _leaf_shardings(p, value, UNSPECIFIED, "jit shardings")
+
+    new_params = dict(
+        params,
+        jaxpr=traced.jaxpr,
+        donated_invars=_per_leaf(dynamic, params["donated_invars"], _const(False)),
+        in_shardings=_per_leaf(dynamic, params["in_shardings"], sharding),
+        in_layouts=_per_leaf(dynamic, params["in_layouts"], _const(None)),
+        out_shardings=_per_leaf(out_vals, params["out_shardings"], sharding),
+        out_layouts=_per_leaf(out_vals, params["out_layouts"], _const(None)),
+    )
+    outs = bind_with_trace(trace.parent_trace, primitive, flat_dynamic, new_params)
+    return jax.tree_util.tree_unflatten(traced.out_tree, outs)
+
+
+_dispatch.primitive_rules[primitives_module.jit_p] = _jit_rule
+
+
+class _JitEntry:
+    """A cached re-traced jit body, and (for eager calls) its compiled form."""
+
+    def __init__(self, traced: TracedBody):
+        self.traced = traced
+        self._compiled = None
+
+    def call(self, leaves: list) -> list:
+        """Run the body eagerly on the flat `leaves`."""
+        if self._compiled is None:
+            closed = self.traced.jaxpr
+            run = _forwarding(closed) or compile_jaxpr(closed)
+            weak = [a.weak_type for a in closed.in_avals]
+            if any(weak):  # the body was traced with weaker inputs than given
+
+                def run(*leaves, _body=run):
+                    return _body(*map(_weaken, leaves, weak))
+
+            self._compiled = run
+        return self._compiled(*leaves)
+
+
+def _forwarding(closed: ClosedJaxpr) -> Callable | None:
+    """For a body without equations, the function that picks its outputs, else None.
+
+    Such a body (``zeros * x`` returning a new symbolic zero, ``zeros + x`` returning
+    ``x``) only forwards inputs and constants: running it through XLA would cost a
+    dispatch for nothing.
+    """
+    jaxpr = closed.jaxpr
+    if jaxpr.eqns or jaxpr.effects:
+        return None
+    sources = []
+    for v in jaxpr.outvars:
+        if v in jaxpr.invars:
+            sources.append((True, jaxpr.invars.index(v)))
+        elif v in jaxpr.constvars:
+            sources.append((False, closed.consts[jaxpr.constvars.index(v)]))
+        else:  # a literal
+            return None
+    return lambda *leaves: [leaves[x] if is_input else x for is_input, x in sources]
+
+
+def _weaken(x: Any, weak: bool) -> Any:
+    """`x`, weakly typed if `weak` (as a body traced for a weak input sees it)."""
+    aval = typeof(x)
+    if not weak or aval.weak_type:
+        return x
+    with eval_context():  # (eagerly called: inside a `bind`, JAX > 0.10 has no trace)
+        return weakly_typed(x)
+
+
+def _scalar_literals(vals: Sequence) -> dict[int, Any]:
+    """The scalar operands whose values are known now (concrete, or trace literals).
+
+    A traced program sees them as literals, so baking them into a re-traced body keeps
+    what handlers see (e.g. symbolic constants fold ``c * 2.0``).
+    """
+    found = {}
+    for i, v in enumerate(vals):
+        if (type(v) is ArrayImpl and v.ndim) or isinstance(v, ImplicitBase):
+            continue
+        try:
+            aval = typeof(v)
+        except TypeError:
+            continue
+        if aval.shape:
+            continue
+        if isinstance(v, Tracer):
+            v = known_constant(v)
+            if v is None:
+                continue
+        found[i] = canonicalize_value(v)
+    return found
+
+
+def _const(default: Any) -> Callable:
+    """`default` for every leaf of a value, whatever its parameter."""
+    return lambda _p, v: _same_for_all(default, v)
+
+
+# ----------------------------------------------------------------------------------------
+# checkpoint / remat
+
+
+def _remat_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list:
+    jaxpr = params["jaxpr"]  # an open Jaxpr without constvars
+    key, flat_vals = _signature(vals)
+    traced = _cached(jaxpr, key)
+    if traced is None:
+
+        def body(wrapped):
+            return eval_jaxpr(jaxpr, (), *wrapped)
+
+        declared = [v.aval for v in jaxpr.invars]
+        traced, _ = _staging.trace_body(
+            trace, body, vals, "checkpoint", declared=declared
+        )
+        _store(jaxpr, key, traced, [traced])
+    else:
+        replay(traced.events)
+    body_jaxpr, hoisted = _hoisted(traced)
+    prevent_cse = params["prevent_cse"]
+    if isinstance(prevent_cse, tuple):
+        per_leaf = _per_leaf(vals, prevent_cse, _same_for_all)
+        prevent_cse = (True,) * len(hoisted) + per_leaf
+    new_params = dict(params, jaxpr=body_jaxpr.jaxpr, prevent_cse=prevent_cse)
+    operands = [*hoisted, *flat_vals]
+    outs = bind_with_trace(trace.parent_trace, primitive, operands, new_params)
+    return jax.tree_util.tree_unflatten(traced.out_tree, outs)
+
+
+_dispatch.primitive_rules[primitives_module.remat_p] = _remat_rule
