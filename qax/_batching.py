@@ -39,27 +39,12 @@ from typing import Any
 import jax
 import numpy as np
 
+from . import _errors
 from ._base import NB, STACKED, ImplicitBase, is_implicit
 from ._compat import register_vmappable
 from ._entry import densify, materialize_nested
 from ._fields import batchable, children_of, fields_of, rebuild
 from ._report import quietly
-
-_UNDECLARED = (
-    "`{primitive}` {action} {cls} along axis {axis}, but {why}, so it is materialized. "
-    "To keep it implicit, declare how its fields carry batch axes: give every array "
-    "field its unbatched rank with `qax.array_field(ndim=...)` (for example "
-    "`w: qax.ArrayValue = qax.array_field(ndim=2)`); leading dimensions beyond that are "
-    "batch dimensions."
-)
-_NOT_A_BATCH_AXIS = (
-    "`{primitive}` {action} {cls} along axis {axis}, but this {cls} has {nb} batch "
-    "dimension(s) (the leading dimensions of its fields beyond their declared ranks), "
-    "and axis {axis} is not one of them, so it is materialized. To keep it implicit, "
-    "build it with that axis as a batch axis: for stacked layers, "
-    "`qax.lora.loraify(..., batch_ndim=1)` and `qax.quant.quantize(..., batch_ndim=1)`; "
-    "for your own type, stack fields of the declared ranks."
-)
 
 
 def sliceable(x: ImplicitBase, axis: int) -> bool:
@@ -109,7 +94,7 @@ def _map_child(child: Any, fn: Callable[[Any], Any]) -> Any:
 def undeclared_reason(primitive: str, action: str, x: ImplicitBase, axis: int) -> str:
     cls = type(x)
     if batchable(cls) or x.__dict__.get(NB):
-        return _NOT_A_BATCH_AXIS.format(
+        return _errors.NOT_A_BATCH_AXIS.format(
             primitive=primitive,
             action=action,
             cls=cls.__name__,
@@ -117,7 +102,7 @@ def undeclared_reason(primitive: str, action: str, x: ImplicitBase, axis: int) -
             nb=x.__dict__.get(NB) or 0,
         )
     why = "its type does not declare how its fields carry batch axes"
-    return _UNDECLARED.format(
+    return _errors.UNDECLARED_BATCH_AXES.format(
         primitive=primitive, action=action, cls=cls.__name__, axis=axis, why=why
     )
 

@@ -43,19 +43,12 @@ from ._fields import fields_of
 from ._interpreter import (
     ImplicitTag,
     ImplicitTrace,
+    ImplicitTracer,
     box,
     implicit_p,
     materialize_one_layer,
 )
 from ._report import QAX_DIR, quietly, report_materialization
-
-_SLICED_THROUGH = (
-    "{cls} of shape {shape} has fields that do not fit its declared ranks ({fields}): "
-    "its leaves were sliced through an unbatched dimension, for example by "
-    "`lax.scan`/`lax.map` or `tree_map(lambda x: x[i], ...)` over it outside "
-    "`qax.use_implicit_args`. Do the scan (or indexing) inside the function wrapped "
-    "with `qax.use_implicit_args`, where implicit arrays are sliced row by row."
-)
 
 
 def _check_entry(x: ImplicitBase) -> None:
@@ -68,7 +61,7 @@ def _check_entry(x: ImplicitBase) -> None:
             if f.name not in ("shape", "dtype") and "qax_ndim" in f.metadata
         )
         raise ValueError(
-            _SLICED_THROUGH.format(
+            _errors.SLICED_THROUGH.format(
                 cls=type(x).__name__, shape=x.shape, fields=described
             )
         )
@@ -258,26 +251,6 @@ def _raise_if_half_built(leaves: list, error: Exception) -> None:
 # `checkpoint`) meets the `ImplicitTrace` when the staged body is interpreted again by
 # its rule. Where no `ImplicitTrace` takes it, the value is materialized.
 
-_OUTSIDE_REASON = (
-    "An implicit {cls} created inside a transformation that ran inside "
-    "`qax.use_implicit_args` is now evaluated outside of it (for example, a `jax.jit` "
-    "function first traced inside `use_implicit_args` and called again outside), so "
-    "it is materialized. Call the function inside `use_implicit_args` to keep it "
-    "implicit."
-)
-_BATCHED_REASON = (
-    "An implicit {cls} was built inside `jax.vmap` from batched values; a `vmap` "
-    "applied inside `qax.use_implicit_args` cannot keep it implicit, so it is "
-    "materialized. Apply `vmap` outside `use_implicit_args` "
-    "(`jax.vmap(qax.use_implicit_args(f))`) to keep it implicit."
-)
-_DIFFERENTIATED_REASON = (
-    "An implicit {cls} was built inside `jax.grad`/`jax.jvp` from differentiated "
-    "values; a derivative taken inside `qax.use_implicit_args` sees it as a dense "
-    "array, so its tangent is formed through `materialize()`. Take the derivative "
-    "outside (`jax.grad(qax.use_implicit_args(f))`) to keep it implicit."
-)
-
 
 def _report_unboxed(tree: Any, leaves: Sequence, reason: str) -> None:
     """Report the materialization of the value of `leaves` that `reason` explains."""
@@ -297,20 +270,20 @@ def _unboxed_dense(tree: Any, *leaves: Any) -> Any:
 
 
 def _implicit_impl(*leaves, tree, aval):
-    _report_unboxed(tree, leaves, _OUTSIDE_REASON)
+    _report_unboxed(tree, leaves, _errors.CREATED_INSIDE_USED_OUTSIDE)
     return _unboxed_dense(tree, *leaves)
 
 
 def _implicit_jvp(primals, tangents, *, tree, aval):
     out = implicit_p.bind(*primals, tree=tree, aval=aval)
-    _report_unboxed(tree, primals, _DIFFERENTIATED_REASON)
+    _report_unboxed(tree, primals, _errors.CREATED_UNDER_GRAD)
     tangents = tuple(instantiate_zeros(t) for t in tangents)
     dense = functools.partial(_unboxed_dense, tree)
     return out, jax.jvp(dense, tuple(primals), tangents)[1]
 
 
 def _implicit_batch(args, dims, *, tree, aval):
-    _report_unboxed(tree, args, _BATCHED_REASON)
+    _report_unboxed(tree, args, _errors.CREATED_UNDER_VMAP)
     # `dims` holds None for the leaves that are not batched, as `in_axes` does.
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     dense = functools.partial(_unboxed_dense, tree)
@@ -329,12 +302,21 @@ def materialize_nested(implicit_arr: Any, full: bool = False) -> Any:
 
     Implicit arrays nested inside `implicit_arr` stay implicit while its `materialize()`
     runs (so their handlers apply); `full=True` repeats until a dense array remains.
+    Inside `materialize()` of a type holding another implicit array, the child arrives
+    as a tracer of `use_implicit_args`; ``qax.materialize_nested(self.inner)`` then
+    materializes its value (explicitly asked for: no warning).
     """
-    while isinstance(implicit_arr, ImplicitBase):
-        implicit_arr = use_implicit_args(_materialize_value)(implicit_arr)
+    while True:
+        if isinstance(implicit_arr, ImplicitBase):
+            implicit_arr = use_implicit_args(_materialize_value)(implicit_arr)
+        elif isinstance(implicit_arr, ImplicitTracer):
+            trace = implicit_arr.owner
+            value = materialize_one_layer(trace, implicit_arr.value)
+            implicit_arr = trace.wrap(value)
+        else:
+            return implicit_arr
         if not full:
-            break
-    return implicit_arr
+            return implicit_arr
 
 
 def _materialize_value(tracer: Any) -> Any:

@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 
+from . import _errors
 from ._base import NB, ImplicitBase
 
 AUX = "qax_aux"
@@ -280,13 +281,6 @@ def leaf_batch_shape(children: list, ndims: tuple) -> Any:
     return NO_ARRAYS if found is None else found
 
 
-_DISAGREE = (
-    "The fields of {cls} disagree on their batch dimensions: {detail}. Each field "
-    "declared with `qax.array_field(ndim=k)` has `k` dimensions per array; every "
-    "further leading dimension is a batch dimension, which all fields must share."
-)
-
-
 def check_batch(x: ImplicitBase) -> int:
     """The number of batch dimensions of a new instance, or a clear error.
 
@@ -307,7 +301,9 @@ def check_batch(x: ImplicitBase) -> int:
             f"`{n}` {_describe_shapes(x.__dict__.get(n))} (ndim={k})"
             for n, k in zip(fields.children, fields.ranks(x.__dict__), strict=True)
         )
-        raise ValueError(_DISAGREE.format(cls=type(x).__name__, detail=detail))
+        raise ValueError(
+            _errors.FIELDS_DISAGREE.format(cls=type(x).__name__, detail=detail)
+        )
     return 0 if batch is NO_ARRAYS else len(batch)
 
 

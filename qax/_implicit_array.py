@@ -19,7 +19,6 @@ from ._base import (
     STACKED,
     ImplicitBase,
     check_declared_avals,
-    quiet_materialization,
 )
 from ._batching import leaf_ranks, per_element, register_batching, undeclared_layout
 from ._compat import (
@@ -40,6 +39,7 @@ from ._fields import (
     leaf_batch_shape,
 )
 from ._interpreter import implicit_children
+from ._report import quietly
 
 # Instance attribute caching `aval` (keyed by shape and dtype, in case they are reassigned).
 _AVAL_CACHE = "_qax_aval_cache"
@@ -525,11 +525,8 @@ def _eval_shape_of_materialize(obj: ImplicitArray) -> Any:
 
         return use_implicit_args(inner)(*[c for _, c in children])
 
-    token = quiet_materialization.set(True)
-    try:
+    with quietly():
         return jax.eval_shape(run, *(getattr(obj, n) for n in structs))
-    finally:
-        quiet_materialization.reset(token)
 
 
 def _shape_dtype_struct_fields(obj: ImplicitArray) -> list[str]:

@@ -24,18 +24,11 @@ from typing import Any
 import jax
 import numpy as np
 
+from . import _errors
 from ._compat import forget_export_serialization
 from ._fields import children_of
 
 _EXPORT_PREFIX = "qax:"
-
-_UNSERIALIZABLE_AUX = (
-    "jax.export cannot serialize the static metadata of {cls}: {path} holds a "
-    "{kind}. qax encodes None, bool, int, float, complex, str, bytes, NumPy dtypes and "
-    "scalars, and tuples, lists and dicts of them. Keep `qax.aux_field` values to these "
-    "types, or register the class yourself with "
-    "`jax.export.register_pytree_node_serialization` after defining it."
-)
 
 
 # ----------------------------------------------------------------------------------------
@@ -69,7 +62,7 @@ def _encode(x: Any, path: str, cls: type) -> Any:
             ]
         }
     raise TypeError(
-        _UNSERIALIZABLE_AUX.format(
+        _errors.UNSERIALIZABLE_AUX.format(
             cls=cls.__name__, path=path, kind=f"{type(x).__name__} ({x!r})"
         )
     )

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from . import _errors
 from ._entry import use_implicit_args
 from ._fields import fields_of
 from ._implicit_array import ImplicitArray
@@ -30,23 +31,6 @@ TRAIN = "train"
 
 _partition = getattr(optax, "partition", None) or optax.multi_transform
 _float0 = jax.dtypes.float0
-
-_BAD_LABELS = (
-    "The labels from `label_fn` must be {freeze!r} or {train!r}, got {bad}. Return "
-    "{freeze!r} for the subtrees to keep fixed and {train!r} for the others."
-)
-_UNKNOWN_KEYS = (
-    "freeze_keys: {cls} has no child field {unknown}; its child fields are {known}. "
-    "(Fields declared with `qax.aux_field` are static metadata and never trained.)"
-)
-_NOTHING_FROZEN = (
-    "freeze_keys found no {cls} in the parameters, so nothing is frozen and every "
-    "parameter is trained. Check that `arr_type` is the class used in the parameters."
-)
-_FLOAT0_WITHOUT_PARAMS = (
-    "Some gradients have dtype float0 (gradients of integer leaves); pass `params` to "
-    "`update` so that they can be replaced by zeros of the parameters' dtype."
-)
 
 
 def set_to_zero_scalar() -> optax.GradientTransformation:
@@ -131,7 +115,7 @@ def freeze_subtrees(
         bad = {x for x in jax.tree_util.tree_leaves(labels)} - {FREEZE, TRAIN}
         if bad:
             raise ValueError(
-                _BAD_LABELS.format(
+                _errors.BAD_FREEZE_LABELS.format(
                     freeze=FREEZE, train=TRAIN, bad=sorted(map(repr, bad))
                 )
             )
@@ -170,7 +154,7 @@ def _replace_float0(updates: Any, params: Any, scalar: bool) -> Any:
     if not any(_dtype(u) == _float0 for u in jax.tree_util.tree_leaves(updates)):
         return updates
     if params is None:
-        raise ValueError(_FLOAT0_WITHOUT_PARAMS)
+        raise ValueError(_errors.FLOAT0_WITHOUT_PARAMS)
 
     def fix(u: Any, p: Any) -> Any:
         if _dtype(u) != _float0:
@@ -245,7 +229,7 @@ def freeze_keys(
         leaves = jax.tree_util.tree_leaves(params, is_leaf=is_arr)
         if not any(map(is_arr, leaves)):
             name = getattr(arr_type, "__name__", repr(arr_type))
-            warnings.warn(_NOTHING_FROZEN.format(cls=name), stacklevel=2)
+            warnings.warn(_errors.NOTHING_FROZEN.format(cls=name), stacklevel=2)
         return tx.init(params)
 
     return optax.GradientTransformationExtraArgs(init_fn, tx.update)
@@ -266,7 +250,7 @@ def _check_keys(arr_type: type, keys: Iterable[str] | str) -> frozenset[str]:
     unknown = sorted(keys - set(known))
     if unknown:
         raise ValueError(
-            _UNKNOWN_KEYS.format(
+            _errors.UNKNOWN_FREEZE_KEYS.format(
                 cls=arr_type.__name__,
                 unknown=", ".join(map(repr, unknown)),
                 known=", ".join(map(repr, known)),

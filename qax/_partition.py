@@ -25,26 +25,9 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
+from . import _errors
 from ._base import NB, ImplicitBase
 from ._fields import FOLLOWS, fields_of, rebuild
-
-UNDECLARED_FIELD = (
-    "The partition spec {spec} for a {cls} of shape {shape} partitions dimensions of "
-    "the array, but its field `{field}` does not declare which of them it runs along, "
-    "so qax cannot say how to partition it. Declare it on the type: "
-    "`{field}: qax.ArrayValue = qax.array_field(ndim=k, follows=(...))` (for each of "
-    "the field's dimensions, the dimension of the array it runs along, or None), or "
-    "define `field_dims(self)` returning such tuples by field name"
-)
-_TOO_LONG = (
-    "The partition spec {spec} has {n} entries, but the {cls} it is given for has shape "
-    "{shape} ({ndim} dimensions)."
-)
-_BAD_DIMS = (
-    "{cls}: field `{field}` declares that its dimensions follow {follows}, but it has "
-    "{leaf_ndim} dimensions beyond the {nb} batch dimension(s) and the array has "
-    "{ndim}; every entry must be None or a dimension of the unbatched array."
-)
 
 
 def field_dims(x: ImplicitBase) -> dict[str, tuple[int | None, ...]]:
@@ -113,7 +96,7 @@ def child_specs(x: ImplicitBase, spec: PartitionSpec) -> dict[str, Any]:
     shape = tuple(x.shape)
     if len(spec) > len(shape):
         raise ValueError(
-            _TOO_LONG.format(
+            _errors.SPEC_TOO_LONG.format(
                 spec=spec,
                 n=len(spec),
                 cls=type(x).__name__,
@@ -131,7 +114,7 @@ def child_specs(x: ImplicitBase, spec: PartitionSpec) -> dict[str, Any]:
         if follows is None:
             if any(e is not None for e in inner):
                 out[name] = Undeclared(
-                    UNDECLARED_FIELD.format(
+                    _errors.UNDECLARED_FIELD.format(
                         spec=spec, cls=type(x).__name__, shape=shape, field=name
                     )
                 )
@@ -140,7 +123,7 @@ def child_specs(x: ImplicitBase, spec: PartitionSpec) -> dict[str, Any]:
             continue
         if any(d is not None and d >= len(inner) for d in follows):
             raise ValueError(
-                _BAD_DIMS.format(
+                _errors.BAD_FOLLOWS.format(
                     cls=type(x).__name__,
                     field=name,
                     follows=follows,

@@ -22,35 +22,13 @@ from typing import Any
 
 import jax
 
-from . import _integrations
+from . import _errors, _integrations
 from ._base import is_implicit
 from ._fields import fields_of
 from ._implicit_array import _pytree_functions
 from ._tree_util import key_value
 
 __all__ = ["describe", "rebuild"]
-
-_NO_DESCRIPTION = (
-    "qax.checkpoint.rebuild needs the description saved with the checkpoint, got "
-    "{got!r}. Save it with `custom_metadata={{'qax': qax.checkpoint.describe(state)}}` "
-    "and pass `checkpointer.metadata(path).custom_metadata['qax']`, or restore with a "
-    "template: `checkpointer.restore(path, jax.tree.map("
-    "ocp.utils.to_shape_dtype_struct, state))`."
-)
-_UNKNOWN_CLASS = (
-    "The checkpoint holds a {name}, a class not defined in this process. Import the "
-    "module that defines it before `qax.checkpoint.rebuild`."
-)
-_OTHER_AUX = (
-    "The checkpoint description of the {cls} at {path} holds {got} metadata value(s), "
-    "but {cls} now has {want} aux field(s) ({names}): it was saved by a version of the "
-    "class with other fields. Restore that checkpoint with a template instead: "
-    "`checkpointer.restore(path, jax.tree.map(ocp.utils.to_shape_dtype_struct, state))`."
-)
-_MISSING = (
-    "The restored tree has no {what} at {path} where the checkpoint description "
-    "expects a {cls}. Restore the checkpoint the description was saved with."
-)
 
 
 def _describe_one(x: Any) -> dict:
@@ -122,21 +100,23 @@ def _replace(node: Any, path: list, value: Any, where: list) -> Any:
 def _build(raw: Any, desc: dict, where: list) -> Any:
     cls = _integrations.classes.get(desc["type"])
     if cls is None:
-        raise TypeError(_UNKNOWN_CLASS.format(name=desc["type"]))
+        raise TypeError(_errors.UNKNOWN_CHECKPOINT_CLASS.format(name=desc["type"]))
     children = []
     for name, sub in desc["fields"].items():
         try:
             value = _child(raw, name)
         except (KeyError, AttributeError, TypeError):
             raise ValueError(
-                _MISSING.format(what=f"field {name!r}", path=where, cls=cls.__name__)
+                _errors.MISSING_IN_RESTORED.format(
+                    what=f"field {name!r}", path=where, cls=cls.__name__
+                )
             ) from None
         children.append(value if sub is None else _build(value, sub, [*where, name]))
     aux = _integrations.decode_aux(desc["aux"])
     names = fields_of(cls).aux
     if len(aux[0]) != len(names):
         raise ValueError(
-            _OTHER_AUX.format(
+            _errors.OTHER_CHECKPOINT_AUX.format(
                 cls=cls.__name__,
                 path=where,
                 got=len(aux[0]),
@@ -163,7 +143,7 @@ def rebuild(raw: Any, description: dict) -> Any:
       TypeError: the class of a saved implicit array is not defined in this process.
     """
     if not isinstance(description, dict) or "implicit" not in description:
-        raise ValueError(_NO_DESCRIPTION.format(got=description))
+        raise ValueError(_errors.NO_CHECKPOINT_DESCRIPTION.format(got=description))
     out = raw
     for entry in description["implicit"]:
         path = entry["path"]
@@ -173,7 +153,9 @@ def rebuild(raw: Any, description: dict) -> Any:
                 node = _child(node, key)
         except (KeyError, AttributeError, IndexError, TypeError):
             raise ValueError(
-                _MISSING.format(what="value", path=path, cls=entry["type"])
+                _errors.MISSING_IN_RESTORED.format(
+                    what="value", path=path, cls=entry["type"]
+                )
             ) from None
         out = _replace(out, path, _build(node, entry, path), [])
     return out

@@ -41,6 +41,7 @@ except ImportError as e:  # pragma: no cover (flax is in the test extra)
         "qax.nnx needs Flax: `pip install flax` (or `pip install qax[integrations]`)."
     ) from e
 
+from . import _errors
 from ._base import ImplicitBase
 from ._interpreter import ImplicitTracer
 
@@ -92,26 +93,11 @@ def _is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-_UPDATE_INSIDE_WRAPPER = (
-    "qax.nnx.Optimizer.update was called inside `qax.use_implicit_args`, where the "
-    "parameter {path} is a tracer of a {cls}, not the {cls} itself: the optimizer's "
-    "arithmetic would run on the represented dense array. Wrap only the model call "
-    "with `qax.use_implicit_args` (inside the loss) and keep `nnx.grad` and "
-    "`optimizer.update` outside it:\n"
-    "    def loss_fn(model, x, y):\n"
-    "        return loss(qax.use_implicit_args(lambda m, x: m(x))(model, x), y)\n"
-    "    @nnx.jit\n"
-    "    def train_step(model, optimizer, x, y):\n"
-    "        grads = nnx.grad(loss_fn)(model, x, y)\n"
-    "        optimizer.update(model, grads)"
-)
-
-
 def _check_outside_wrapper(params: Any) -> None:
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         if isinstance(leaf, ImplicitTracer):
             raise RuntimeError(
-                _UPDATE_INSIDE_WRAPPER.format(
+                _errors.NNX_UPDATE_INSIDE_WRAPPER.format(
                     path=jax.tree_util.keystr(path), cls=type(leaf.value).__name__
                 )
             )

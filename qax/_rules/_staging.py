@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import _dispatch
+from .. import _dispatch, _errors
 from .._base import ImplicitBase
 from .._compat import (
     UNSPECIFIED,
@@ -257,12 +257,6 @@ def _same_for_all(p: Any, v: Any) -> list:
     return [p] * len(jax.tree_util.tree_leaves(v))
 
 
-_UNDECLARED_SHARDING = (
-    "{what}: {message}. Its leaves {fallback} (a sharding is never guessed from leaf "
-    "shapes)."
-)
-
-
 def _leaf_shardings(sharding: Any, value: ImplicitBase, fallback: Any, what: str):
     """The sharding of each leaf of `value` when `value` is given `sharding`.
 
@@ -285,7 +279,7 @@ def _leaf_shardings(sharding: Any, value: ImplicitBase, fallback: Any, what: str
             "are left to JAX" if fallback in (None, UNSPECIFIED) else "are replicated"
         )
         warnings.warn(
-            _UNDECLARED_SHARDING.format(
+            _errors.UNDECLARED_SHARDING.format(
                 what=what, message=missing.message, fallback=fate
             ),
             stacklevel=2,

@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from .. import _dispatch
+from .. import _dispatch, _errors
 from .._base import ImplicitBase
 from .._compat import bind_with_trace, merge_common_consts, separate_consts
 from .._entry import densify
@@ -27,12 +27,6 @@ from ._staging import (
     _path_name,
     _signature,
     _store,
-)
-
-_COND_REASON = (
-    "The branches of a `lax.cond`/`lax.switch` return different implicit structures "
-    "for output {path} ({described}); this {cls} is materialized so that every branch "
-    "returns the same structure."
 )
 
 
@@ -87,7 +81,7 @@ def _plan_cond(trace: ImplicitTrace, branches: Sequence, ops: list):
 
         def densify_path(x, path):
             described = " vs. ".join(describe(value_at(s, path)) for s in skeletons)
-            reason = _COND_REASON.format(
+            reason = _errors.COND_BRANCHES_DIFFER.format(
                 path=_path_name(path), described=described, cls=type(x).__name__
             )
             return densify(x, "cond", reason)

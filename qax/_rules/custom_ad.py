@@ -14,8 +14,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import _dispatch
-from .._base import ImplicitBase, quiet_materialization
+from .. import _dispatch, _errors
+from .._base import ImplicitBase
 from .._compat import (
     CALL_JAXPR_P,
     CALL_PRIMITIVES,
@@ -34,6 +34,7 @@ from .._compat import (
 )
 from .._entry import densify, materialize_nested
 from .._interpreter import ImplicitTrace
+from .._report import quietly
 from ._staging import (
     _differentiable,
     _enter,
@@ -44,24 +45,13 @@ from ._staging import (
     _unwrap_all,
 )
 
-_SETTLE_REASON = (
-    "`{name}` has a custom derivative rule and was called on implicit arrays; its "
-    "output {index} is an implicit {cls} holding differentiable data, for which the "
-    "rule cannot give tangents, so it is materialized: it is differentiated here, or "
-    "recorded (under `jit`, `checkpoint`, ...) in a program that JAX may differentiate "
-    "later. Called outside such a transformation, the output stays implicit."
-)
-
 
 def _quiet_dense(x: Any) -> Any:
     """Materialize a value again, without reporting it (it was reported once)."""
     if not isinstance(x, ImplicitBase):
         return x
-    token = quiet_materialization.set(True)
-    try:
+    with quietly():
         return materialize_nested(x, full=True)
-    finally:
-        quiet_materialization.reset(token)
 
 
 def _fun_name(fun: Any) -> str:
@@ -79,24 +69,18 @@ def _settle(outs: list, name: str, primitive: str) -> list:
     settled = []
     for i, o in enumerate(outs):
         if isinstance(o, ImplicitBase) and _differentiable(o):
-            reason = _SETTLE_REASON.format(name=name, index=i, cls=type(o).__name__)
+            reason = _errors.CUSTOM_RULE_SETTLED.format(
+                name=name, index=i, cls=type(o).__name__
+            )
             o = densify(o, primitive, reason)
         settled.append(o)
     return settled
 
 
-_KEPT_DIFFERENTIATED = (
-    "`{name}` has a custom derivative rule and returned an implicit array holding "
-    "differentiable data; it was kept implicit because no enclosing transformation "
-    "could differentiate it, but JAX now differentiates it, and the rule cannot give "
-    "tangents for an implicit output. This is a bug in qax: please report it."
-)
-
-
 def _decided_primal_leaves(info: _Outputs, primals_out: list, name: str) -> list:
     """Leaves of a rule's primal outputs, in the structure the function's outputs have."""
     if info.differentiable:
-        raise RuntimeError(_KEPT_DIFFERENTIATED.format(name=name))
+        raise RuntimeError(_errors.CUSTOM_RULE_KEPT_DIFFERENTIATED.format(name=name))
     settled = [
         p if kept else _quiet_dense(p)
         for kept, p in zip(info.kept, primals_out, strict=True)
@@ -177,11 +161,8 @@ def _through_materialize(value: ImplicitBase, transform: Callable, *args: Any) -
     def dense(*ls):
         return materialize_nested(jax.tree_util.tree_unflatten(tree, ls), full=True)
 
-    token = quiet_materialization.set(True)
-    try:
+    with quietly():
         return transform(dense, leaves, *args)
-    finally:
-        quiet_materialization.reset(token)
 
 
 def _dense_tangent(value: ImplicitBase, tangents: list) -> Any:

@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from .. import _dispatch
+from .. import _dispatch, _errors
 from .._base import ImplicitBase
 from .._batching import (
     slice_template,
@@ -49,15 +49,6 @@ from ._staging import (
     _store,
 )
 
-_CARRY_REASON = (
-    "The carry {path} of a `{loop}` enters the loop as {before} but the loop body "
-    "returns {after}; implicit arrays in a carry must keep their structure across "
-    "iterations, so this {cls} is materialized {where}."
-)
-_PREDICATE_REASON = (
-    "The predicate of a `lax.while_loop` must be a plain boolean, but its `cond_fun` "
-    "returned an implicit {cls}, which is materialized."
-)
 _MAX_ATTEMPTS = 64
 
 
@@ -89,7 +80,7 @@ def _strengthen(leaves: list, which: frozenset) -> list:
 def _carry_densifier(plan: _LoopPlan, loop: str, where: str, to_dense: Callable):
     def densify_path(x, path):
         before, after = plan.described.get(path, (describe(x), "another structure"))
-        reason = _CARRY_REASON.format(
+        reason = _errors.CARRY_CHANGES.format(
             path=_path_name(path),
             loop=loop,
             before=before,
@@ -331,7 +322,7 @@ def _while_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> li
     def plain_predicate(outs):
         (pred,) = outs
         if isinstance(pred, ImplicitBase):
-            reason = _PREDICATE_REASON.format(cls=type(pred).__name__)
+            reason = _errors.IMPLICIT_PREDICATE.format(cls=type(pred).__name__)
             pred = densify(pred, "while", reason)
         return [pred]
 

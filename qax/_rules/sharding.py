@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from .. import _dispatch
+from .. import _dispatch, _errors
 from .._base import NB, ImplicitBase
 from .._compat import (
     bind_with_trace,
@@ -47,11 +47,6 @@ from ._staging import (
 # ----------------------------------------------------------------------------------------
 # shard_map
 
-_SHARD_REASON = (
-    "`shard_map` splits this {cls} by the partition spec {spec}: {message}; or pass it "
-    "replicated (`P()`). It is materialized."
-)
-
 
 def _fit_spec(value: Any, spec: Any) -> Any:
     """`value`, materialized if its type does not declare how `spec` splits its leaves."""
@@ -60,7 +55,7 @@ def _fit_spec(value: Any, spec: Any) -> Any:
     missing = first_undeclared(leaf_specs(value, spec))
     if missing is None:
         return value
-    reason = _SHARD_REASON.format(
+    reason = _errors.SHARD_MAP_SPLITS.format(
         cls=type(value).__name__, spec=spec, message=missing.message
     )
     return densify(value, "shard_map", reason)
