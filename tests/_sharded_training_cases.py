@@ -22,11 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _ho_types import all_eqns, forms_full_lora
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qax
+from tests.helpers import all_eqns, forms_full_lora
 
 if jax.device_count() < 8:
     pytest.skip("needs 8 devices (XLA_FLAGS)", allow_module_level=True)

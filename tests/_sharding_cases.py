@@ -10,21 +10,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _ho_types import (
-    HLora,
-    HZeros,
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import qax
+from tests.helpers import (
+    ClosedZeros,
+    PlainMatmulLora,
     all_eqns,
     assert_close,
     check_mode,
     dense,
     forms_full_lora,
     keys,
-    make_lora,
+    scaled_lora,
 )
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
-
-import qax
 
 if jax.device_count() < 8:
     pytest.skip("needs 8 devices (XLA_FLAGS)", allow_module_level=True)
@@ -36,7 +36,7 @@ X = jax.random.normal(keys(1, 5)[0], (8, 16))
 
 
 def lora():
-    return make_lora(16, 6)  # w (16, 6), a (16, 2), b (6, 2)
+    return scaled_lora(16, 6)  # w (16, 6), a (16, 2), b (6, 2)
 
 
 _inner = jax.jit(
@@ -72,12 +72,12 @@ def test_jit_named_sharding_goes_to_leaves_as_the_type_declares():
 def _square_lora(follows=True):
     """A LoRA whose rank equals its width: `a`, `b` and `w` all have shape (8, 8)."""
     w, a, b = jnp.zeros((8, 8)), jnp.ones((8, 8)), jnp.ones((8, 8))
-    return (HLora if follows else _UndeclaredLora)(w, a, b)
+    return (PlainMatmulLora if follows else LoraWithoutFollows)(w, a, b)
 
 
 @dataclass
-class _UndeclaredLora(qax.ImplicitArray):
-    """`HLora` without `follows`: how its leaves run along the weight is unknown."""
+class LoraWithoutFollows(qax.ImplicitArray):
+    """`PlainMatmulLora` without `follows` (nor handler): how its leaves run along w is unknown."""
 
     w: qax.ArrayValue = qax.array_field(ndim=2)
     a: qax.ArrayValue = qax.array_field(ndim=2)
@@ -140,8 +140,8 @@ def test_jit_sharding_of_an_undeclared_type_warns_and_is_left_to_jax():
 
 def test_jit_sharded_implicit_output():
     double = jax.jit(lambda z: z * 2.0, in_shardings=ROWS, out_shardings=ROWS)
-    out = qax.use_implicit_args(double)(HZeros(shape=(16, 6)))
-    assert isinstance(out, HZeros) and out.shape == (16, 6)
+    out = qax.use_implicit_args(double)(ClosedZeros(shape=(16, 6)))
+    assert isinstance(out, ClosedZeros) and out.shape == (16, 6)
 
 
 def test_outer_jit_shards_every_leaf():
@@ -150,7 +150,7 @@ def test_outer_jit_shards_every_leaf():
         in_shardings=(ROWS, ROWS),
         out_shardings=ROWS,
     )
-    out = f(HZeros(shape=(16, 6)), jnp.ones((16, 6)))
+    out = f(ClosedZeros(shape=(16, 6)), jnp.ones((16, 6)))
     assert out.sharding == ROWS
     assert_close(out, jnp.ones((16, 6)))
 
@@ -188,9 +188,11 @@ def test_shard_map_splits_symbolic_zeros():
             body, mesh=MESH, in_specs=(P("i"), P("i")), out_specs=(P("i"), P("i"))
         )(z, x)
 
-    zeros, total = qax.use_implicit_args(f)(HZeros(shape=(16, 6)), jnp.ones((16, 6)))
+    zeros, total = qax.use_implicit_args(f)(
+        ClosedZeros(shape=(16, 6)), jnp.ones((16, 6))
+    )
     assert seen == [(2, 6)]
-    assert isinstance(zeros, HZeros) and zeros.shape == (16, 6)
+    assert isinstance(zeros, ClosedZeros) and zeros.shape == (16, 6)
     assert_close(total, jnp.ones((16, 6)))
 
 
@@ -200,8 +202,8 @@ def test_shard_map_pvary_on_invariant_implicit():
             lambda z, x: z + x * z, mesh=MESH, in_specs=(P(), P("i")), out_specs=P("i")
         )(z, x)
 
-    out = qax.use_implicit_args(f)(HZeros(shape=(2, 6)), jnp.ones((16, 6)))
-    assert isinstance(out, HZeros) and out.shape == (16, 6)
+    out = qax.use_implicit_args(f)(ClosedZeros(shape=(2, 6)), jnp.ones((16, 6)))
+    assert isinstance(out, ClosedZeros) and out.shape == (16, 6)
 
 
 def _row_split_matmul(w, x):
@@ -241,7 +243,7 @@ def test_shard_map_returns_a_split_lora_whole():
         )(w, x)
 
     out, _ = jax.jit(qax.use_implicit_args(f))(lora(), jnp.ones((16, 3)))
-    assert isinstance(out, HLora) and out.shape == (16, 6)
+    assert isinstance(out, PlainMatmulLora) and out.shape == (16, 6)
     assert (out.w.shape, out.a.shape, out.b.shape) == ((16, 6), (16, 2), (6, 2))
     assert_close(out.materialize(), dense(lora()))
 

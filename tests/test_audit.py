@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import qax
-from tests._audit_types import LoraMatrix, QuietLora, TransposableLora, make_lora
+from tests.helpers import PlainMatmulLora, QuietLora, TransposableLora, make_lora
 
 KEYS = jax.random.split(jax.random.PRNGKey(0), 4)
 X = jax.random.normal(KEYS[0], (3, 5))
@@ -24,10 +24,10 @@ def line_of(fn, marker: str) -> str:
 
 def model(x, w1, w2):
     h = jnp.tanh(x @ w1)
-    return h @ w2.T  # w2.T: the only primitive LoraMatrix has no handler for
+    return h @ w2.T  # w2.T: the only primitive PlainMatmulLora has no handler for
 
 
-def lora_params(cls=LoraMatrix):
+def lora_params(cls=PlainMatmulLora):
     return make_lora(KEYS[1], 5, 7, cls=cls), make_lora(KEYS[2], 4, 7, cls=cls)
 
 
@@ -44,7 +44,7 @@ RUNNERS = {
 @pytest.mark.parametrize("runner", RUNNERS.values(), ids=RUNNERS.keys())
 def test_audit_lists_exactly_the_unhandled_materialization(runner):
     w1, w2 = lora_params()
-    with qax.materialization_policy(LoraMatrix, "allow"):
+    with qax.materialization_policy(PlainMatmulLora, "allow"):
         with qax.materialization_audit() as audit:
             out = runner(model)(X, w1, w2)
 
@@ -52,7 +52,7 @@ def test_audit_lists_exactly_the_unhandled_materialization(runner):
     assert len(audit) == 1, audit
     (record,) = audit
     assert record.primitive == "transpose"
-    assert record.cls is LoraMatrix
+    assert record.cls is PlainMatmulLora
     assert record.shape == (4, 7) and record.dtype == np.float32
     assert record.nbytes == 4 * 7 * 4
     assert record.source == line_of(model, "w2.T")
@@ -64,18 +64,18 @@ def test_audit_lists_exactly_the_unhandled_materialization(runner):
 @pytest.mark.parametrize("runner", RUNNERS.values(), ids=RUNNERS.keys())
 def test_error_policy_names_primitive_class_and_line(runner):
     w1, w2 = lora_params()
-    with qax.materialization_policy(LoraMatrix, "error"):
+    with qax.materialization_policy(PlainMatmulLora, "error"):
         with qax.materialization_audit() as audit:
             with pytest.raises(qax.MaterializationError) as info:
                 runner(model)(X, w1, w2)
 
     error = info.value
-    assert error.primitive == "transpose" and error.cls is LoraMatrix
+    assert error.primitive == "transpose" and error.cls is PlainMatmulLora
     assert error.source == line_of(model, "w2.T")
     message = str(error)
-    for part in ("transpose", "LoraMatrix", error.source, "float32[4, 7]"):
+    for part in ("transpose", "PlainMatmulLora", error.source, "float32[4, 7]"):
         assert part in message
-    assert 'qax.materialization_policy(LoraMatrix, "error")' in message
+    assert 'qax.materialization_policy(PlainMatmulLora, "error")' in message
     # The audit saw it before it raised.
     assert [r.policy for r in audit] == ["error"]
 
@@ -98,11 +98,11 @@ def loss(x, w):
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_forward_and_backward_attribution_of_grad(jit):
-    w = make_lora(KEYS[1], 5, 7)
+    w = make_lora(KEYS[1], 5, 7, cls=PlainMatmulLora)
     grad_x = qax.use_implicit_args(jax.grad(loss))
     if jit:
         grad_x = jax.jit(grad_x)
-    with qax.materialization_policy(LoraMatrix, "allow"):
+    with qax.materialization_policy(PlainMatmulLora, "allow"):
         with qax.materialization_audit() as audit:
             got = grad_x(X, w)
 
@@ -121,8 +121,8 @@ def test_forward_and_backward_attribution_of_grad(jit):
 
 
 def test_grad_outside_materializes_in_the_forward_pass_only():
-    w = make_lora(KEYS[1], 5, 7)
-    with qax.materialization_policy(LoraMatrix, "allow"):
+    w = make_lora(KEYS[1], 5, 7, cls=PlainMatmulLora)
+    with qax.materialization_policy(PlainMatmulLora, "allow"):
         with qax.materialization_audit() as audit:
             jax.grad(qax.use_implicit_args(loss), argnums=(0, 1))(X, w)
     assert [(r.primitive, r.phase) for r in audit] == [("reduce_sum", "forward")]
@@ -134,21 +134,21 @@ def project(x, w):
 
 
 def test_cached_jit_body_reports_again_and_obeys_later_policies():
-    w = make_lora(KEYS[1], 4, 5)
+    w = make_lora(KEYS[1], 4, 5, cls=PlainMatmulLora)
     f = qax.use_implicit_args(project)
-    with qax.materialization_policy(LoraMatrix, "allow"):
+    with qax.materialization_policy(PlainMatmulLora, "allow"):
         with qax.materialization_audit() as audit:
             f(X, w)
             f(X, w)  # the re-traced body of `project` is reused: its event is replayed
     assert [r.primitive for r in audit] == ["transpose", "transpose"]
-    with qax.materialization_policy(LoraMatrix, "error"):
+    with qax.materialization_policy(PlainMatmulLora, "error"):
         with pytest.raises(qax.MaterializationError, match="transpose"):
             f(X, w)
 
 
 def test_audit_as_data_and_table():
     w1, w2 = lora_params()
-    with qax.materialization_policy(LoraMatrix, "allow"):
+    with qax.materialization_policy(PlainMatmulLora, "allow"):
         with qax.materialization_audit() as audit:
             qax.use_implicit_args(model)(X, w1, w2)
             qax.use_implicit_args(lambda w: jnp.sum(w))(w1)
@@ -158,7 +158,7 @@ def test_audit_as_data_and_table():
     rows = audit.as_dicts()
     assert rows[1] == {
         "primitive": "reduce_sum",
-        "cls": "LoraMatrix",
+        "cls": "PlainMatmulLora",
         "shape": (5, 7),
         "dtype": "float32",
         "nbytes": 140,
@@ -186,9 +186,9 @@ def test_audit_as_data_and_table():
 
 
 def test_nested_audits_both_record_and_outside_nothing_is_recorded():
-    w = make_lora(KEYS[1], 4, 5)
+    w = make_lora(KEYS[1], 4, 5, cls=PlainMatmulLora)
     f = qax.use_implicit_args(lambda w: jnp.sum(w))
-    with qax.materialization_policy(LoraMatrix, "allow"):
+    with qax.materialization_policy(PlainMatmulLora, "allow"):
         with qax.materialization_audit() as outer:
             f(w)
             with qax.materialization_audit() as inner:
@@ -206,7 +206,7 @@ def run_sum(w):
 
 
 def test_default_policy_warns_and_allow_is_silent_but_recorded():
-    w = make_lora(KEYS[1], 4, 5)
+    w = make_lora(KEYS[1], 4, 5, cls=PlainMatmulLora)
     with pytest.warns(qax.MaterializationWarning, match="reduce_sum"):
         run_sum(w)
     with qax.materialization_policy("reduce_sum", "allow"):
@@ -218,10 +218,10 @@ def test_default_policy_warns_and_allow_is_silent_but_recorded():
 @pytest.mark.parametrize(
     "outer, inner, expected",
     [
-        ((LoraMatrix, "error"), ("reduce_sum", "allow"), "allow"),
-        (("reduce_sum", "allow"), (LoraMatrix, "error"), "error"),
-        ((qax.ImplicitArray, "allow"), (LoraMatrix, "warn"), "warn"),
-        ((LoraMatrix, "allow"), (qax.ImplicitArray, "error"), "error"),
+        ((PlainMatmulLora, "error"), ("reduce_sum", "allow"), "allow"),
+        (("reduce_sum", "allow"), (PlainMatmulLora, "error"), "error"),
+        ((qax.ImplicitArray, "allow"), (PlainMatmulLora, "warn"), "warn"),
+        ((PlainMatmulLora, "allow"), (qax.ImplicitArray, "error"), "error"),
     ],
     ids=[
         "primitive-inside-class",
@@ -231,7 +231,7 @@ def test_default_policy_warns_and_allow_is_silent_but_recorded():
     ],
 )
 def test_innermost_block_wins(outer, inner, expected):
-    w = make_lora(KEYS[1], 4, 5)
+    w = make_lora(KEYS[1], 4, 5, cls=PlainMatmulLora)
     with qax.materialization_policy(*outer), qax.materialization_policy(*inner):
         with qax.materialization_audit() as audit:
             if expected == "error":
@@ -259,11 +259,11 @@ def global_rules():
 @pytest.mark.parametrize(
     "rules, expected",
     [
-        ([(LoraMatrix, "error"), ("reduce_sum", "allow")], "allow"),
-        ([("reduce_sum", "allow"), (LoraMatrix, "error")], "allow"),
-        ([(qax.ImplicitArray, "error"), (LoraMatrix, "allow")], "allow"),
-        ([(LoraMatrix, "allow"), (qax.ImplicitArray, "error")], "allow"),
-        ([(LoraMatrix, "allow"), (LoraMatrix, "error")], "error"),
+        ([(PlainMatmulLora, "error"), ("reduce_sum", "allow")], "allow"),
+        ([("reduce_sum", "allow"), (PlainMatmulLora, "error")], "allow"),
+        ([(qax.ImplicitArray, "error"), (PlainMatmulLora, "allow")], "allow"),
+        ([(PlainMatmulLora, "allow"), (qax.ImplicitArray, "error")], "allow"),
+        ([(PlainMatmulLora, "allow"), (PlainMatmulLora, "error")], "error"),
     ],
     ids=[
         "primitive-beats-class",
@@ -276,7 +276,7 @@ def global_rules():
 def test_global_rules_most_specific_wins(global_rules, rules, expected):
     for target, policy in rules:
         global_rules(target, policy)
-    w = make_lora(KEYS[1], 4, 5)
+    w = make_lora(KEYS[1], 4, 5, cls=PlainMatmulLora)
     if expected == "error":
         with pytest.raises(qax.MaterializationError):
             run_sum(w)
@@ -285,8 +285,8 @@ def test_global_rules_most_specific_wins(global_rules, rules, expected):
 
 
 def test_block_beats_global_and_global_persists(global_rules):
-    w = make_lora(KEYS[1], 4, 5)
-    global_rules(LoraMatrix, "error")
+    w = make_lora(KEYS[1], 4, 5, cls=PlainMatmulLora)
+    global_rules(PlainMatmulLora, "error")
     with qax.materialization_policy("reduce_sum", "allow"):
         run_sum(w)
     with pytest.raises(
@@ -296,13 +296,13 @@ def test_block_beats_global_and_global_persists(global_rules):
 
 
 def test_with_block_sets_no_global_rule_and_undo_restores():
-    w = make_lora(KEYS[1], 4, 5)
-    with qax.materialization_policy(LoraMatrix, "error"):
+    w = make_lora(KEYS[1], 4, 5, cls=PlainMatmulLora)
+    with qax.materialization_policy(PlainMatmulLora, "error"):
         pass
     with pytest.warns(qax.MaterializationWarning):
         run_sum(w)
-    first = qax.materialization_policy(LoraMatrix, "allow")
-    second = qax.materialization_policy(LoraMatrix, "error")
+    first = qax.materialization_policy(PlainMatmulLora, "allow")
+    second = qax.materialization_policy(PlainMatmulLora, "error")
     try:
         with pytest.raises(qax.MaterializationError):
             run_sum(w)
@@ -329,7 +329,7 @@ def test_explicit_policy_beats_warn_on_materialize_keyword():
 
 
 def test_error_in_backward_pass_says_so():
-    w = make_lora(KEYS[1], 5, 7)
+    w = make_lora(KEYS[1], 5, 7, cls=PlainMatmulLora)
     with qax.materialization_policy("dot_general", "error"):
         with pytest.raises(qax.MaterializationError, match="backward pass") as info:
             qax.use_implicit_args(jax.grad(lambda x, w: jnp.sum(x @ w)))(X, w)
@@ -339,7 +339,12 @@ def test_error_in_backward_pass_says_so():
 @pytest.mark.parametrize(
     "target, policy, error, match",
     [
-        (LoraMatrix, "ignore", ValueError, "Unknown materialization policy 'ignore'"),
+        (
+            PlainMatmulLora,
+            "ignore",
+            ValueError,
+            "Unknown materialization policy 'ignore'",
+        ),
         (3, "error", TypeError, "must be an implicit array class"),
         (jnp.ndarray, "error", TypeError, "must be an implicit array class"),
         ("dot_genral", "error", ValueError, "Did you mean 'dot_general'"),
@@ -355,13 +360,13 @@ def test_primitive_object_target_and_repr():
     rule = qax.materialization_policy(jax.lax.reduce_sum_p, "allow")
     try:
         assert repr(rule) == "materialization_policy('reduce_sum', 'allow')"
-        run_sum(make_lora(KEYS[1], 4, 5))
+        run_sum(make_lora(KEYS[1], 4, 5, cls=PlainMatmulLora))
     finally:
         rule.undo()
 
 
 def test_audit_records_materialization_without_warning_filters_interfering():
-    w = make_lora(KEYS[1], 4, 5)
+    w = make_lora(KEYS[1], 4, 5, cls=PlainMatmulLora)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with qax.materialization_audit() as audit:

@@ -19,21 +19,9 @@ from jax import lax
 
 import qax
 from qax.symbols import SymbolicConstant
-from tests.helpers import LoraMatrix, Zeros, assert_close
+from tests.helpers import LoraMatrix, UndeclaredLora, Zeros, assert_close, make_lora
 
 KEY = jax.random.PRNGKey(0)
-
-
-@dataclass
-class PlainLora(qax.ImplicitArray):
-    """The README's LoraMatrix: no batch declaration."""
-
-    w: qax.ArrayValue
-    a: qax.ArrayValue
-    b: qax.ArrayValue
-
-    def materialize(self):
-        return self.w + self.a @ self.b.T
 
 
 @dataclass
@@ -61,12 +49,7 @@ class PlainDiagonal(qax.ImplicitArray):
 
 
 def lora(cls, key, m=6, n=6, r=2, stack=()):
-    kw, ka, kb = jax.random.split(key, 3)
-    return cls(
-        jax.random.normal(kw, (*stack, m, n)),
-        jax.random.normal(ka, (*stack, m, r)),
-        jax.random.normal(kb, (*stack, n, r)),
-    )
+    return make_lora(key, m, n, r, cls=cls, lead=stack)
 
 
 def dense(x):
@@ -135,12 +118,14 @@ def scan_rows(w):
     return lax.scan(body, 0.0, w)
 
 
-@pytest.mark.parametrize("cls", [PlainLora, LoraMatrix], ids=["undeclared", "declared"])
+@pytest.mark.parametrize(
+    "cls", [UndeclaredLora, LoraMatrix], ids=["undeclared", "declared"]
+)
 def test_scan_over_an_unbatched_square_lora_gives_its_rows(cls):
     # w, a and b all have leading dimension 6 = the scan length: slicing leaves would
     # give w[i] + a[i] @ b[i].T instead of row i.
     w = lora(cls, KEY)
-    advice = "array_field" if cls is PlainLora else "batch_ndim=1"
+    advice = "array_field" if cls is UndeclaredLora else "batch_ndim=1"
     with pytest.warns(qax.MaterializationWarning, match=advice):
         c, ys = qax.use_implicit_args(scan_rows)(w)
     c_want, ys_want = scan_rows(w.materialize())
@@ -203,12 +188,12 @@ def test_scan_slices_and_stacks_nested_declared_values():
 
 
 def test_scan_stacks_declared_outputs_and_materializes_undeclared_ones():
-    declared, plain = lora(LoraMatrix, KEY, 6, 5), lora(PlainLora, KEY, 6, 5)
+    declared, plain = lora(LoraMatrix, KEY, 6, 5), lora(UndeclaredLora, KEY, 6, 5)
 
     def f(declared, plain, xs):
         return lax.scan(lambda c, x: (c, (declared, plain)), 0.0, xs)
 
-    with pytest.warns(qax.MaterializationWarning, match="PlainLora"):
+    with pytest.warns(qax.MaterializationWarning, match="UndeclaredLora"):
         _, (ys_declared, ys_plain) = qax.use_implicit_args(f)(
             declared, plain, jnp.ones(3)
         )
@@ -279,8 +264,10 @@ def test_vmap_outputs_stack_declared_and_undeclared_types():
         assert_close(
             stacked.materialize()[i], lora(LoraMatrix, keys[i], 6, 5).materialize()
         )
-    plain = jax.vmap(lambda k: lora(PlainLora, k, 6, 5))(keys)  # a stack of examples
-    assert isinstance(plain, PlainLora) and plain.shape == (3, 6, 5)
+    plain = jax.vmap(lambda k: lora(UndeclaredLora, k, 6, 5))(
+        keys
+    )  # a stack of examples
+    assert isinstance(plain, UndeclaredLora) and plain.shape == (3, 6, 5)
     assert_close(plain.materialize(), stacked.materialize(), rtol=1e-5)
     moved = jax.vmap(lambda k: lora(LoraMatrix, k, 6, 5), out_axes=None)
     with pytest.raises(ValueError):

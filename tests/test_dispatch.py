@@ -10,6 +10,7 @@ import pytest
 from jax.extend.core import primitives
 
 import qax
+from qax._dispatch import resolve_primitive
 from tests.helpers import assert_close
 
 
@@ -55,8 +56,6 @@ def test_unknown_primitive_name_suggests_close_names():
 
 
 def test_aliases_and_non_lax_primitives_resolve():
-    from qax._dispatch import resolve_primitive
-
     assert resolve_primitive("pjit").name == "jit"
     assert resolve_primitive("jit").name == "jit"
     assert resolve_primitive("custom_jvp_call").name == "custom_jvp_call"
@@ -75,14 +74,10 @@ def test_aliases_and_non_lax_primitives_resolve():
     ],
 )
 def test_documented_names_resolve(name, expected):
-    from qax._dispatch import resolve_primitive
-
     assert resolve_primitive(name) is expected
 
 
 def test_every_name_in_qax_constants_resolves():
-    from qax._dispatch import resolve_primitive
-
     for group in (
         qax.constants.COMMUTATIVE_OPS,
         qax.constants.ELEMENTWISE_UNOPS,

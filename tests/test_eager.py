@@ -443,3 +443,47 @@ def test_nested_user_jit_keeps_donation_on_implicit_operands():
         x = jnp.ones((3, 4)) * 2.0
         assert_close(f(c, x), jnp.full((3, 4), 5.0))
         assert x.is_deleted()
+
+
+_SWITCHED_OFF = """
+import warnings
+import jax, jax.numpy as jnp, numpy as np
+import qax
+from qax import _compat, _eager
+from tests.helpers import LoraMatrix, make_lora
+
+warnings.simplefilter("error", qax.MaterializationWarning)
+assert not _eager.ENABLED
+lora = make_lora(jax.random.key(0), 6, 5, 2, cls=LoraMatrix)
+x = jnp.arange(12.0).reshape(2, 6)
+seen = []
+
+def f(w, x):
+    seen.append(type(_compat.current_trace()).__name__)
+    return jnp.sin(x @ w) * 2.0 + x.sum()
+
+got = qax.use_implicit_args(f)(lora, x)
+want = f(lora.materialize(), x)
+np.testing.assert_allclose(got, want, rtol=1e-5)
+assert seen[0] == "ImplicitTrace", seen
+assert not _eager._eager_jits and not _eager._operator_binds
+print("ok")
+"""
+
+
+def test_the_fast_paths_switch_off():
+    """`QAX_EAGER_FAST_PATHS=0`: eager calls run on a plain `ImplicitTrace` (as under a
+    transformation), nothing is cached, and the answers are the same."""
+    import os
+    import subprocess
+
+    root = pathlib.Path(__file__).parent.parent
+    env = {**os.environ, "QAX_EAGER_FAST_PATHS": "0", "PYTHONPATH": str(root)}
+    done = subprocess.run(
+        [sys.executable, "-c", _SWITCHED_OFF],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=root,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

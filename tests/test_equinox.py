@@ -6,10 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _integration_types import LoraKernel, lora_kernel
-from helpers import assert_close
 
 import qax
+from tests.helpers import LoraKernel, assert_close, lora_kernel
 
 eqx = pytest.importorskip("equinox")
 

@@ -12,34 +12,33 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _ho_types import (
-    ALL_MODES,
-    MODES,
-    HLora,
-    HScaled,
-    HZeros,
-    assert_close,
-    check_mode,
-    dense,
-    forms_full_lora,
-    keys,
-    make_lora,
-    materializations,
-    weight_shaped_sums,
-)
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 import qax
 from qax import _structure
 from qax._rules import _staging
+from tests.helpers import (
+    ALL_MODES,
+    MODES,
+    ClosedZeros,
+    PlainMatmulLora,
+    Scaled,
+    all_eqns,
+    assert_close,
+    check_mode,
+    dense,
+    forms_full_lora,
+    keys,
+    materializations,
+    scaled_lora,
+    weight_shaped_sums,
+)
 
 X = jax.random.normal(keys(1, 7)[0], (3, 5))
 
 
 def all_eqn_names(jaxpr):
-    from _ho_types import all_eqns
-
     return [e.primitive.name for e in all_eqns(jaxpr)]
 
 
@@ -57,14 +56,14 @@ def test_nested_jit(mode):
     def f(w, x):
         return _inner_matmul(x, w).sum(0) * 2.0
 
-    check_mode(mode, f, make_lora(), X)
+    check_mode(mode, f, scaled_lora(), X)
 
 
 def test_nested_jit_stays_a_jit_call_without_forming_the_weight():
     def f(w, x):
         return _inner_matmul(x, w)
 
-    jaxpr = jax.make_jaxpr(qax.use_implicit_args(f))(make_lora(), X)
+    jaxpr = jax.make_jaxpr(qax.use_implicit_args(f))(scaled_lora(), X)
     assert "jit" in [e.primitive.name for e in jaxpr.jaxpr.eqns]
     assert not forms_full_lora(jaxpr, 5, 6, 2)
 
@@ -89,14 +88,14 @@ def test_nested_jit_body_is_cached(monkeypatch):
         return _inner_matmul(x, w)
 
     for _ in range(2):
-        jax.make_jaxpr(qax.use_implicit_args(f))(make_lora(), X)
+        jax.make_jaxpr(qax.use_implicit_args(f))(scaled_lora(), X)
     assert calls.count("_inner_matmul") <= 1
 
 
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 def test_nested_inline_jit(mode):
     inner = jax.jit(lambda x, w: jnp.tanh(x @ w), inline=True)
-    check_mode(mode, lambda w, x: inner(x, w), make_lora(), X)
+    check_mode(mode, lambda w, x: inner(x, w), scaled_lora(), X)
 
 
 def test_nested_jit_returns_implicit_output():
@@ -104,8 +103,8 @@ def test_nested_jit_returns_implicit_output():
     def twice(z):
         return z * 2.0
 
-    out = qax.use_implicit_args(twice)(HZeros(shape=(3, 4)))
-    assert isinstance(out, HZeros) and out.shape == (3, 4)
+    out = qax.use_implicit_args(twice)(ClosedZeros(shape=(3, 4)))
+    assert isinstance(out, ClosedZeros) and out.shape == (3, 4)
 
 
 # ----------------------------------------------------------------------------------------
@@ -119,7 +118,7 @@ def _cond_fn(p, w, x):
 @pytest.mark.parametrize("mode", ["eager", "jit_grad"])
 @pytest.mark.parametrize("pred", [True, False], ids=["true", "false"])
 def test_cond(mode, pred):
-    check_mode(mode, functools.partial(_cond_fn, pred), make_lora(), X)
+    check_mode(mode, functools.partial(_cond_fn, pred), scaled_lora(), X)
 
 
 @pytest.mark.parametrize(
@@ -134,7 +133,7 @@ def test_switch(mode, index):
         ]
         return lax.switch(index, branches, w, x)
 
-    check_mode(mode, f, make_lora(), X)
+    check_mode(mode, f, scaled_lora(), X)
 
 
 def test_cond_same_implicit_type_stays_implicit():
@@ -142,22 +141,24 @@ def test_cond_same_implicit_type_stays_implicit():
         return lax.cond(p, lambda z: z * 2.0, lambda z: -z, z)
 
     for p in (True, False):
-        out = qax.use_implicit_args(f)(p, HZeros(shape=(2, 3)))
-        assert isinstance(out, HZeros) and out.shape == (2, 3)
-    out = jax.jit(qax.use_implicit_args(f))(True, HZeros(shape=(2, 3)))
-    assert isinstance(out, HZeros)
+        out = qax.use_implicit_args(f)(p, ClosedZeros(shape=(2, 3)))
+        assert isinstance(out, ClosedZeros) and out.shape == (2, 3)
+    out = jax.jit(qax.use_implicit_args(f))(True, ClosedZeros(shape=(2, 3)))
+    assert isinstance(out, ClosedZeros)
 
 
 def test_cond_different_structures_materialize_to_common_structure():
     def f(p, z, x):
         return lax.cond(p, lambda z, x: (z * 2.0, z), lambda z, x: (z + x, -z), z, x)
 
-    z, x = HZeros(shape=(3,)), jnp.arange(3.0)
+    z, x = ClosedZeros(shape=(3,)), jnp.arange(3.0)
     for p in (True, False):
         with pytest.warns(qax.MaterializationWarning, match="lax.cond"):
             first, second = qax.use_implicit_args(f)(p, z, x)
         assert not isinstance(first, qax.ImplicitArray)
-        assert isinstance(second, HZeros)  # agrees in both branches: stays implicit
+        assert isinstance(
+            second, ClosedZeros
+        )  # agrees in both branches: stays implicit
         assert_close((first, second), f(p, dense(z), x))
 
 
@@ -179,7 +180,7 @@ def test_cond_branches_capturing_constants(mode):
             x.sum() <= 0, yes, no, w, x
         )
 
-    check_mode(mode, f, make_lora(), X)
+    check_mode(mode, f, scaled_lora(), X)
 
 
 # ----------------------------------------------------------------------------------------
@@ -204,7 +205,7 @@ def test_scan_implicit_consts(mode, reverse, unroll):
 
         return lax.scan(body, x, None, length=3, reverse=reverse, unroll=unroll)
 
-    check_mode(mode, f, make_lora(5, 5), X)
+    check_mode(mode, f, scaled_lora(5, 5), X)
 
 
 @pytest.mark.parametrize("mode", ["jit", "jit_grad"])
@@ -215,14 +216,14 @@ def test_scan_implicit_xs(mode):
 
         return lax.scan(body, x, ws)
 
-    check_mode(mode, f, make_lora(5, 5, lead=(4,)), X)
+    check_mode(mode, f, scaled_lora(5, 5, lead=(4,)), X)
 
 
 def test_scan_over_layers_does_not_form_the_weights():
     def f(ws, x):
         return lax.scan(lambda c, w: (jnp.tanh(c @ w), None), x, ws)[0]
 
-    jaxpr = jax.make_jaxpr(qax.use_implicit_args(f))(make_lora(5, 5, lead=(4,)), X)
+    jaxpr = jax.make_jaxpr(qax.use_implicit_args(f))(scaled_lora(5, 5, lead=(4,)), X)
     assert "scan" in all_eqn_names(jaxpr)
     assert not forms_full_lora(jaxpr, 5, 5, 2)
 
@@ -237,9 +238,9 @@ def test_scan_slices_aux_shape_of_xs():
 
         return lax.scan(body, c0, zs)
 
-    c, ys = qax.use_implicit_args(f)(HZeros(shape=(5, 4)), jnp.ones(4))
+    c, ys = qax.use_implicit_args(f)(ClosedZeros(shape=(5, 4)), jnp.ones(4))
     assert seen == [(4,)]
-    assert isinstance(ys, HZeros) and ys.shape == (5, 4)
+    assert isinstance(ys, ClosedZeros) and ys.shape == (5, 4)
     assert_close(c, jnp.ones(4))
 
 
@@ -253,11 +254,11 @@ def test_scan_stable_implicit_carry(mode):
         return lax.scan(body, (z, jnp.zeros(5)), x)
 
     if mode.endswith("grad"):
-        check_mode(mode, f, HZeros(shape=(5,)), X, argnums=1)
+        check_mode(mode, f, ClosedZeros(shape=(5,)), X, argnums=1)
     else:
-        check_mode(mode, f, HZeros(shape=(5,)), X)
-    (zc, _), _ = qax.use_implicit_args(f)(HZeros(shape=(5,)), X)
-    assert isinstance(zc, HZeros)
+        check_mode(mode, f, ClosedZeros(shape=(5,)), X)
+    (zc, _), _ = qax.use_implicit_args(f)(ClosedZeros(shape=(5,)), X)
+    assert isinstance(zc, ClosedZeros)
 
 
 def test_scan_carry_changing_structure_is_materialized_with_warning():
@@ -265,7 +266,7 @@ def test_scan_carry_changing_structure_is_materialized_with_warning():
         return lax.scan(lambda c, xi: (c + xi, c.sum()), z, x)
 
     with pytest.warns(qax.MaterializationWarning, match="carry .*lax.scan"):
-        out = qax.use_implicit_args(f)(HZeros(shape=(5,)), X)
+        out = qax.use_implicit_args(f)(ClosedZeros(shape=(5,)), X)
     assert_close(out, f(jnp.zeros(5), X))
 
 
@@ -273,7 +274,7 @@ def test_scan_carry_becoming_implicit_is_materialized_with_warning():
     def f(z, x):
         return lax.scan(lambda c, xi: (c * z, c.sum()), x[0], x)
 
-    z = HZeros(shape=(5,))
+    z = ClosedZeros(shape=(5,))
     with pytest.warns(qax.MaterializationWarning, match="carry"):
         out = qax.use_implicit_args(f)(z, X)
     assert_close(out, f(dense(z), X))
@@ -290,7 +291,7 @@ def test_scan_body_is_cached(monkeypatch):
         return lax.scan(_module_level_layer, x, ws)[0]
 
     for _ in range(3):
-        jax.make_jaxpr(qax.use_implicit_args(f))(make_lora(5, 5, lead=(3,)), X)
+        jax.make_jaxpr(qax.use_implicit_args(f))(scaled_lora(5, 5, lead=(3,)), X)
     assert calls.count("lax.scan") == 1
 
 
@@ -301,8 +302,8 @@ def test_scan_carry_leaf_changing_weak_type(mode):
         return lax.scan(lambda c, x: (c * x, None), c, xs)[0]
 
     def run(xs):
-        out = qax.use_implicit_args(f)(HScaled(jnp.ones(3), 1.0), xs)
-        assert isinstance(out, HScaled)
+        out = qax.use_implicit_args(f)(Scaled(jnp.ones(3), 1.0), xs)
+        assert isinstance(out, Scaled)
         return out
 
     xs = jnp.arange(1.0, 4.0)
@@ -322,22 +323,24 @@ def test_implicit_built_inside_jit_with_python_scalar_leaf(primitive):
 
     @jax.jit
     def run():
-        out = qax.use_implicit_args(ops[primitive])(HScaled(jnp.ones(3), 1.0))
-        assert isinstance(out, HScaled)
+        out = qax.use_implicit_args(ops[primitive])(Scaled(jnp.ones(3), 1.0))
+        assert isinstance(out, Scaled)
         return out
 
     assert_close(run(), 2.0 * jnp.ones(3))
 
 
 def test_scan_xs_with_unstacked_leaves_is_materialized():
-    lora = make_lora(4, 4)  # w is (4, 4) but a, b are (4, 2): not stacked along axis 0
+    lora = scaled_lora(
+        4, 4
+    )  # w is (4, 4) but a, b are (4, 2): not stacked along axis 0
 
     def f(w, c):
         return lax.scan(lambda c, row: (c + row, row.sum()), c, w)
 
     with pytest.warns(qax.MaterializationWarning, match="leading dimension"):
-        out = qax.use_implicit_args(f)(make_lora(4, 3), jnp.zeros(3))
-    assert_close(out, f(dense(make_lora(4, 3)), jnp.zeros(3)))
+        out = qax.use_implicit_args(f)(scaled_lora(4, 3), jnp.zeros(3))
+    assert_close(out, f(dense(scaled_lora(4, 3)), jnp.zeros(3)))
     del lora
 
 
@@ -357,11 +360,11 @@ def test_while_loop(mode):
 
         return lax.while_loop(cond, body, (0, x))
 
-    check_mode(mode, f, make_lora(5, 5), X)
+    check_mode(mode, f, scaled_lora(5, 5), X)
 
 
 def test_while_loop_jvp():
-    lora = make_lora(5, 5)
+    lora = scaled_lora(5, 5)
 
     def f(w, x):
         return lax.while_loop(
@@ -385,9 +388,9 @@ def test_while_loop_implicit_carry(mode):
             lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 2.0, c[2] + c[1]), (0, z, x)
         )
 
-    check_mode(mode, f, HZeros(shape=(3, 5)), X)
-    out = qax.use_implicit_args(f)(HZeros(shape=(3, 5)), X)
-    assert isinstance(out[1], HZeros)
+    check_mode(mode, f, ClosedZeros(shape=(3, 5)), X)
+    out = qax.use_implicit_args(f)(ClosedZeros(shape=(3, 5)), X)
+    assert isinstance(out[1], ClosedZeros)
 
 
 @pytest.mark.parametrize(
@@ -400,7 +403,7 @@ def test_fori_loop(mode, static):
         return lax.fori_loop(0, n, lambda i, h: jnp.tanh(h @ w) + i, x)
 
     n = 3 if static else jnp.int32(3)
-    check_mode(mode, lambda w, x: f(w, x, n), make_lora(5, 5), X)
+    check_mode(mode, lambda w, x: f(w, x, n), scaled_lora(5, 5), X)
 
 
 # ----------------------------------------------------------------------------------------
@@ -427,14 +430,14 @@ def test_checkpoint(mode, policy):
 
         return layer(w, layer(w, x))
 
-    check_mode(mode, f, make_lora(5, 5), X)
+    check_mode(mode, f, scaled_lora(5, 5), X)
 
 
 def test_checkpoint_name_on_implicit_value_keeps_it_implicit():
     def f(w, x):
         return x @ checkpoint_name(w, "weights")
 
-    lora = make_lora()
+    lora = scaled_lora()
     jaxpr = jax.make_jaxpr(qax.use_implicit_args(f))(lora, X)
     assert not forms_full_lora(jaxpr, 5, 6, 2)
     assert_close(qax.use_implicit_args(f)(lora, X), f(dense(lora), X))
@@ -460,7 +463,7 @@ def _scaled_tanh_matmul_jvp(primals, tangents):
 
 @pytest.mark.parametrize("mode", ALL_MODES)
 def test_custom_jvp_user_rule_with_multi_leaf_input(mode):
-    check_mode(mode, lambda w, x: scaled_tanh_matmul(x, w), make_lora(), X)
+    check_mode(mode, lambda w, x: scaled_tanh_matmul(x, w), scaled_lora(), X)
 
 
 @pytest.mark.parametrize(
@@ -478,22 +481,24 @@ def test_custom_jvp_user_rule_with_multi_leaf_input(mode):
 def test_custom_jvp_nn_functions_honour_their_rule(mode, fn):
     # w + a @ b.T is exactly zero here: relu'(0) is 0 by relu's rule, 0.5 by max's.
     k = keys(2)
-    lora = HLora(jnp.zeros((4, 4)), jnp.zeros((4, 2)), jax.random.normal(k[0], (4, 2)))
-    lora = HLora(lora.w.at[0].set(1.0), lora.a, lora.b)
+    lora = PlainMatmulLora(
+        jnp.zeros((4, 4)), jnp.zeros((4, 2)), jax.random.normal(k[0], (4, 2))
+    )
+    lora = PlainMatmulLora(lora.w.at[0].set(1.0), lora.a, lora.b)
     with materializations() as found:
         check_mode(mode, lambda w: fn(w) * 3.0, lora)
-    # Only the elementwise primitives inside fn lack HLora handlers; no structural one.
+    # Only the elementwise primitives inside fn lack PlainMatmulLora handlers; no structural one.
     assert not any(n in msg for msg in found for n in ("custom_jvp", "jit ", "pjit"))
 
 
 def test_relu_of_symbolic_zeros_stays_implicit():
-    out = qax.use_implicit_args(jax.nn.relu)(HZeros(shape=(3,)))
-    assert isinstance(out, HZeros)
+    out = qax.use_implicit_args(jax.nn.relu)(ClosedZeros(shape=(3,)))
+    assert isinstance(out, ClosedZeros)
 
     def loss(x, z):
         return qax.use_implicit_args(lambda x, z: jnp.sum(jax.nn.relu(z) * x + x))(x, z)
 
-    assert_close(jax.grad(loss)(jnp.ones(3), HZeros(shape=(3,))), jnp.ones(3))
+    assert_close(jax.grad(loss)(jnp.ones(3), ClosedZeros(shape=(3,))), jnp.ones(3))
 
 
 @jax.custom_jvp
@@ -519,7 +524,7 @@ def test_custom_jvp_with_symbolic_zeros(argnums):
     def f(w, x):
         return jnp.tanh(matmul_symbolic_rule(x, w))
 
-    check_mode("jit_grad", f, make_lora(), X, argnums=argnums)
+    check_mode("jit_grad", f, scaled_lora(), X, argnums=argnums)
 
 
 @jax.custom_vjp
@@ -542,7 +547,9 @@ clipped_matmul.defvjp(_clipped_fwd, _clipped_bwd)
 
 @pytest.mark.parametrize("mode", ALL_MODES)
 def test_custom_vjp_user_rule(mode):
-    check_mode(mode, lambda w, x: jnp.tanh(clipped_matmul(x, w)) * 3.0, make_lora(), X)
+    check_mode(
+        mode, lambda w, x: jnp.tanh(clipped_matmul(x, w)) * 3.0, scaled_lora(), X
+    )
 
 
 @pytest.mark.parametrize("mode", ["jit_grad"])
@@ -550,7 +557,7 @@ def test_custom_vjp_gradient_wrt_dense_operand(mode):
     check_mode(
         mode,
         lambda w, x: jnp.tanh(clipped_matmul(x, w)) * 3.0,
-        make_lora(),
+        scaled_lora(),
         X,
         argnums=1,
     )
@@ -571,7 +578,7 @@ def test_closed_call(mode):
         (out,) = primitives.closed_call_p.bind(x, w, **params)
         return out
 
-    check_mode(mode, f, make_lora(), X)
+    check_mode(mode, f, scaled_lora(), X)
 
 
 @pytest.mark.parametrize("mode", ["eager", "jit_grad"])
@@ -579,15 +586,15 @@ def test_vmap_inside_over_dense_with_implicit_closure(mode):
     def f(w, x):
         return jax.vmap(lambda row: jnp.tanh(row @ w))(x)
 
-    check_mode(mode, f, make_lora(), X)
+    check_mode(mode, f, scaled_lora(), X)
 
 
 def test_vmap_inside_over_symbolic_zeros():
     def f(z, x):
         return jax.vmap(lambda zi, xi: (zi * xi, zi + xi))(z, x)
 
-    prod, total = qax.use_implicit_args(f)(HZeros(shape=(3, 4)), jnp.ones((3, 4)))
-    assert isinstance(prod, HZeros) and prod.shape == (3, 4)
+    prod, total = qax.use_implicit_args(f)(ClosedZeros(shape=(3, 4)), jnp.ones((3, 4)))
+    assert isinstance(prod, ClosedZeros) and prod.shape == (3, 4)
     assert_close(total, jnp.ones((3, 4)))
 
 
@@ -617,10 +624,10 @@ def test_annotation_applies_to_each_leaf(primitive):
     def f(w, x):
         return jnp.tanh(x @ ANNOTATIONS[primitive](w))
 
-    jaxpr = jax.make_jaxpr(qax.use_implicit_args(f))(make_lora(), X)
+    jaxpr = jax.make_jaxpr(qax.use_implicit_args(f))(scaled_lora(), X)
     applied = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == primitive]
     shapes = sorted(tuple(v.aval.shape) for e in applied for v in e.invars)
-    # w, a and b. For a constraint by rows, `HLora` declares that w and a run along
+    # w, a and b. For a constraint by rows, `PlainMatmulLora` declares that w and a run along
     # the rows and b (6, 2) along the columns: b is constrained whole.
     expected = {"optimization_barrier": [(), (5, 2), (5, 6), (6, 2)]}
     assert shapes == expected.get(primitive, [(5, 2), (5, 6), (6, 2)])
@@ -643,7 +650,7 @@ def test_annotations_keep_values_and_gradients(mode):
                 w = annotate(w)
         return jnp.tanh(x @ w)
 
-    check_mode(mode, f, make_lora(), X)
+    check_mode(mode, f, scaled_lora(), X)
 
 
 def test_stop_gradient_on_implicit_blocks_leaf_gradients():
@@ -652,7 +659,7 @@ def test_stop_gradient_on_implicit_blocks_leaf_gradients():
             qax.use_implicit_args(lambda w, x: x @ lax.stop_gradient(w))(w, X)
         )
 
-    grads = jax.grad(loss)(make_lora())
+    grads = jax.grad(loss)(scaled_lora())
     for leaf in jax.tree_util.tree_leaves(grads):
         assert not np.any(np.asarray(leaf))
 
@@ -680,7 +687,7 @@ def test_lora_training_step_keeps_weights_implicit():
         return lax.scan(layer, x, ws)[0]
 
     def loss(params, frozen, x, y):
-        ws = HLora(frozen, params["a"], params["b"])
+        ws = PlainMatmulLora(frozen, params["a"], params["b"])
         pred = qax.use_implicit_args(model)(ws, x)
         return jnp.mean((pred - y) ** 2)
 
@@ -713,12 +720,14 @@ def test_lora_training_step_keeps_weights_implicit():
 
 def test_common_prefix_keeps_what_agrees():
     w, b = jnp.ones((3, 4)), jnp.ones((4, 2))
-    t1 = [HLora(w, HZeros(shape=(3, 2)), b), HZeros(shape=(2,))]
-    t2 = [HLora(w, jnp.ones((3, 2)), b), HZeros(shape=(2,))]
+    t1 = [PlainMatmulLora(w, ClosedZeros(shape=(3, 2)), b), ClosedZeros(shape=(2,))]
+    t2 = [PlainMatmulLora(w, jnp.ones((3, 2)), b), ClosedZeros(shape=(2,))]
     f1, f2 = _structure.get_common_prefix_transforms([t1, t2])
     out1, out2 = f1(t1), f2(t2)
-    assert isinstance(out1[0], HLora) and not isinstance(out1[0].a, qax.ImplicitArray)
-    assert isinstance(out1[1], HZeros) and isinstance(out2[1], HZeros)
+    assert isinstance(out1[0], PlainMatmulLora) and not isinstance(
+        out1[0].a, qax.ImplicitArray
+    )
+    assert isinstance(out1[1], ClosedZeros) and isinstance(out2[1], ClosedZeros)
     assert_close(out1[0].a, jnp.zeros((3, 2)))
     assert out2[0] is t2[0] or isinstance(out2[0].a, jax.Array)
 
@@ -727,13 +736,13 @@ def test_common_prefix_keeps_what_agrees():
     "other",
     [
         lambda: jnp.ones((3, 4)),
-        lambda: HZeros(shape=(3, 4)),
-        lambda: HLora(jnp.ones((3, 4)), jnp.ones((3, 1)), jnp.ones((4, 1))),
+        lambda: ClosedZeros(shape=(3, 4)),
+        lambda: PlainMatmulLora(jnp.ones((3, 4)), jnp.ones((3, 1)), jnp.ones((4, 1))),
     ],
     ids=["dense", "other_type", "other_rank"],
 )
 def test_common_prefix_materializes_what_differs(other):
-    lora = HLora(jnp.ones((3, 4)), jnp.ones((3, 2)), jnp.ones((4, 2)))
+    lora = PlainMatmulLora(jnp.ones((3, 4)), jnp.ones((3, 2)), jnp.ones((4, 2)))
     f1, f2 = _structure.get_common_prefix_transforms([lora, other()])
     assert not isinstance(f1(lora), qax.ImplicitArray)
     assert not isinstance(f2(other()), qax.ImplicitArray)
@@ -741,7 +750,7 @@ def test_common_prefix_materializes_what_differs(other):
 
 def test_common_prefix_rejects_incompatible_trees():
     with pytest.raises(ValueError, match="shapes or dtypes"):
-        _structure.get_common_prefix_transforms([HZeros(shape=(2,)), jnp.ones(3)])
+        _structure.get_common_prefix_transforms([ClosedZeros(shape=(2,)), jnp.ones(3)])
     with pytest.raises(ValueError, match="structure"):
         _structure.get_common_prefix_transforms([[jnp.ones(2)], (jnp.ones(2),)])
 

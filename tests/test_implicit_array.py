@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 import qax
-from tests.helpers import BackwardTag, LoraMatrix, Zeros, assert_close, make_lora
+from tests.helpers import LoraMatrix, NeverMaterialize, Zeros, assert_close, make_lora
 
 
 def test_fields_are_children_with_keys_and_aux_fields_are_static():
@@ -177,7 +177,7 @@ def test_class_keywords_and_inheritance():
 
 
 def test_aval_ndim_size_transpose_and_repr():
-    lora = make_lora(jax.random.PRNGKey(0), m=6, n=5)
+    lora = make_lora(jax.random.PRNGKey(0), rows=6, cols=5)
     assert lora.aval == jax.core.ShapedArray((6, 5), jnp.float32)
     assert lora.ndim == 2 and lora.size == 30 and len(lora) == 6
     with pytest.warns(qax.MaterializationWarning, match="transpose"):
@@ -231,9 +231,9 @@ def test_tree_map_slicing_tracks_the_shape_of_declared_types():
 
 
 def test_per_type_default_handler():
-    x = BackwardTag(jnp.arange(4.0))
+    x = NeverMaterialize(jnp.arange(4.0))
     out = qax.use_implicit_args(lambda t: jnp.sin(t) * 2 + 1)(x)
-    assert isinstance(out, BackwardTag)
+    assert isinstance(out, NeverMaterialize)
     assert_close(out.array, jnp.sin(jnp.arange(4.0)) * 2 + 1)
 
 

@@ -9,13 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_close
 
 import qax
 import qax.checkpoint
 import qax.lora as lora  # noqa: E402
 import qax.quant as quant  # noqa: E402
 from qax.symbols import SymbolicConstant
+from tests.helpers import assert_close
 
 nnx = pytest.importorskip("flax.nnx")
 nn = pytest.importorskip("flax.linen")

@@ -18,7 +18,9 @@ from qax.lora import LoraAdapter, LoraWeight
 from qax.testing import check_handler
 
 
-def make_lora(shape, split_at=None, rank=3, dtype=jnp.float32, seed=0, freeze_w=False):
+def make_lora_weight(
+    shape, split_at=None, rank=3, dtype=jnp.float32, seed=0, freeze_w=False
+):
     """A LoraWeight with random (non-zero) factors, so the low-rank part matters."""
     p = len(shape) - 1 if split_at is None else split_at
     kw, ka, kb = jax.random.split(jax.random.PRNGKey(seed), 3)
@@ -144,7 +146,7 @@ def _with_dtypes(cases, bf16_names):
     _with_dtypes(DOT_CASES, {"q-proj"}),
 )
 def test_dot_general_layouts(name, shape, split_at, x_shape, fn, dtype):
-    lora = make_lora(shape, split_at, dtype=dtype)
+    lora = make_lora_weight(shape, split_at, dtype=dtype)
     x = normal(x_shape, dtype)
     report = check_primitive(fn, "dot_general", x, lora)
     assert dict(report.checks) == {
@@ -158,7 +160,7 @@ def test_dot_general_layouts(name, shape, split_at, x_shape, fn, dtype):
 
 
 def test_preferred_element_type_f32_over_bf16():
-    lora = make_lora((6, 5), dtype=jnp.bfloat16)
+    lora = make_lora_weight((6, 5), dtype=jnp.bfloat16)
     x = normal((4, 6), jnp.bfloat16)
 
     def fn(x, w):
@@ -180,7 +182,7 @@ def test_preferred_element_type_f32_over_bf16():
     ids=["x@W.T", "W@x.T", "cast-roundtrip"],
 )
 def test_composed_layouts_stay_implicit(fn):
-    lora = make_lora((5, 6), 1)
+    lora = make_lora_weight((5, 6), 1)
     x = normal((4, 6))
     want = fn(x, lora.materialize())
     with qax.materialization_policy(LoraWeight, "error"):
@@ -193,7 +195,7 @@ def test_composed_layouts_stay_implicit(fn):
 def test_the_handler_contracts_x_with_the_matching_factor_first():
     """x @ W.T with W (out, in): x contracts with b's axis, so x·b comes first and every
     intermediate has the rank axis (no (batch, in) x (in, out) dense detour)."""
-    lora = make_lora((5, 64), 1, rank=2)
+    lora = make_lora_weight((5, 64), 1, rank=2)
     x = normal((7, 64))
     jaxpr = jax.make_jaxpr(qax.use_implicit_args(lambda x, w: x @ w.T))(x, lora)
     shapes = [
@@ -229,7 +231,7 @@ CONV_CASES = [
     ids=[c[0] for c in CONV_CASES],
 )
 def test_convolutions(name, x_shape, k_shape, split_at, dn, dtype):
-    lora = make_lora(k_shape, split_at, rank=2, dtype=dtype)
+    lora = make_lora_weight(k_shape, split_at, rank=2, dtype=dtype)
     x = normal(x_shape, dtype)
     spatial = len(k_shape) - 2
 
@@ -256,7 +258,7 @@ def test_convolutions(name, x_shape, k_shape, split_at, dn, dtype):
 
 
 def test_grouped_convolution_falls_back_with_a_warning():
-    lora = make_lora((3, 3, 2, 4), rank=2)
+    lora = make_lora_weight((3, 3, 2, 4), rank=2)
     x = normal((1, 5, 5, 4))
 
     def fn(x, w):
@@ -284,7 +286,7 @@ def test_grouped_convolution_falls_back_with_a_warning():
     ids=["index-f32", "take-bf16", "one-row-f32"],
 )
 def test_embedding_lookup(fn, dtype):
-    lora = make_lora((10, 6), dtype=dtype)
+    lora = make_lora_weight((10, 6), dtype=dtype)
     ids = jnp.array([[1, 9, 0], [4, 4, 2]])
     want = fn(lora.materialize(), ids)
     with qax.materialization_policy(LoraWeight, "error"):
@@ -303,7 +305,7 @@ def test_embedding_lookup(fn, dtype):
 
 
 def test_column_gather_falls_back():
-    lora = make_lora((10, 6))
+    lora = make_lora_weight((10, 6))
     with pytest.warns(qax.MaterializationWarning, match="gather"):
         got = qax.use_implicit_args(lambda w: w[:, jnp.array([0, 2])])(lora)
     np.testing.assert_allclose(got, lora.materialize()[:, jnp.array([0, 2])], rtol=1e-6)
@@ -328,7 +330,7 @@ STRUCTURAL = [
     "name, shape, split_at, fn", STRUCTURAL, ids=[c[0] for c in STRUCTURAL]
 )
 def test_structural_ops_stay_implicit(name, shape, split_at, fn):
-    lora = make_lora(shape, split_at)
+    lora = make_lora_weight(shape, split_at)
     with qax.materialization_policy(LoraWeight, "error"):
         out = qax.use_implicit_args(fn)(lora)
     assert isinstance(out, LoraWeight), type(out)
@@ -341,7 +343,7 @@ def test_structural_ops_stay_implicit(name, shape, split_at, fn):
 
 
 def test_structural_handlers_pass_check_handler():
-    lora = make_lora((4, 12))
+    lora = make_lora_weight((4, 12))
     check_primitive(lambda w: w.T, "transpose", lora)
     check_primitive(lambda w: w.reshape(4, 3, 4), "reshape", lora)
     check_primitive(lambda w: w[:, 4:8], "slice", lora)
@@ -352,7 +354,7 @@ def test_structural_handlers_pass_check_handler():
 def test_fused_qkv_kernel_split_then_used():
     """A fused (d, 3d) kernel: x @ W, split into q, k, v; and the weight itself split."""
     d = 4
-    lora = make_lora((d, 3 * d))
+    lora = make_lora_weight((d, 3 * d))
     x = normal((2, 5, d))
 
     def fused(x, w):
@@ -366,7 +368,7 @@ def test_fused_qkv_kernel_split_then_used():
 
 
 def test_bf16_compute_over_f32_factors():
-    lora = make_lora((6, 5))
+    lora = make_lora_weight((6, 5))
     x = normal((4, 6))
 
     def fn(x, w):
@@ -398,8 +400,8 @@ def mlp(params, x):
 
 def mlp_params(freeze_w=False, dtype=jnp.float32):
     return {
-        "w1": make_lora((6, 8), seed=1, freeze_w=freeze_w, dtype=dtype),
-        "w2": make_lora((8, 5), seed=2, freeze_w=freeze_w, dtype=dtype),
+        "w1": make_lora_weight((6, 8), seed=1, freeze_w=freeze_w, dtype=dtype),
+        "w2": make_lora_weight((8, 5), seed=2, freeze_w=freeze_w, dtype=dtype),
     }
 
 

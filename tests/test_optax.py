@@ -5,37 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _optax_types import LoraMatrix
 
 import qax
 from qax.symbols import SymbolicConstant, symbolic_zero_like
 from qax.utils import apply_updates, freeze_keys, freeze_subtrees, vmap_all_but_one
-
-RANK = 2
-
-
-def lora(key, n, m):
-    kw, ka = jax.random.split(key)
-    w = jax.random.normal(kw, (n, m)) / np.sqrt(n)
-    a = jax.random.normal(ka, (n, RANK)) / np.sqrt(n)
-    return LoraMatrix(w, a, jnp.zeros((m, RANK)))
-
-
-def problem(seed=0):
-    """A two-layer LoRA model and data that a rank-2 update of its weights fits."""
-    k = jax.random.split(jax.random.PRNGKey(seed), 7)
-    params = {"l1": lora(k[0], 8, 16), "l2": lora(k[1], 16, 4), "bias": jnp.zeros(4)}
-
-    def shifted(key, w):
-        ka, kb = jax.random.split(key)
-        a = jax.random.normal(ka, (w.shape[0], RANK))
-        b = jax.random.normal(kb, (w.shape[1], RANK))
-        return w + a @ b.T / np.sqrt(w.shape[0])
-
-    x = jax.random.normal(k[2], (64, 8))
-    w1, w2 = shifted(k[3], params["l1"].w), shifted(k[4], params["l2"].w)
-    y = jnp.tanh(x @ w1) @ w2
-    return params, x, y
+from tests.helpers import OPTAX_RANK, TaggedLora, lora_problem, sizes, state_size
 
 
 def loss(params, x, y):
@@ -58,14 +32,6 @@ def train(optimizer, params, x, y, steps=20, apply=optax.apply_updates):
     return params, opt_state
 
 
-def state_size(opt_state):
-    return sum(np.size(x) for x in jax.tree_util.tree_leaves(opt_state))
-
-
-def sizes(params, fields):
-    return sum(getattr(params[k], f).size for k in ("l1", "l2") for f in fields)
-
-
 OPTIMIZERS = {
     "adam": lambda: optax.adam(0.05),
     "adamw": lambda: optax.adamw(0.05, weight_decay=0.1),
@@ -76,14 +42,14 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("scalar_zeros", [False, True], ids=["zeros", "scalar"])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_freeze_keys_trains_lora_factors_only(name, scalar_zeros):
-    params, x, y = problem()
-    optimizer = freeze_keys(OPTIMIZERS[name](), LoraMatrix, ["w"], scalar_zeros)
+    params, x, y = lora_problem()
+    optimizer = freeze_keys(OPTIMIZERS[name](), TaggedLora, ["w"], scalar_zeros)
     trained, opt_state = train(optimizer, params, x, y)
 
     implicit_loss = qax.use_implicit_args(loss)
     assert implicit_loss(params, x, y) / implicit_loss(trained, x, y) >= 5
     for k in ("l1", "l2"):
-        assert isinstance(trained[k], LoraMatrix) and trained[k].tag == "lora"
+        assert isinstance(trained[k], TaggedLora) and trained[k].tag == "lora"
         np.testing.assert_array_equal(trained[k].w, params[k].w)  # bitwise
         assert not np.allclose(trained[k].a, params[k].a)
         assert not np.allclose(trained[k].b, params[k].b)
@@ -100,14 +66,14 @@ def test_frozen_weights_stay_frozen_under_weight_decay_and_momentum():
     The control shows the failure mode that a freeze by zeroed gradients has: the
     optimizer still decays `w` (and keeps moments for it).
     """
-    params, x, y = problem(seed=1)
+    params, x, y = lora_problem(seed=1)
     decaying = optax.chain(optax.sgd(0.1, momentum=0.9), optax.add_decayed_weights(0.5))
 
-    frozen, _ = train(freeze_keys(decaying, LoraMatrix, "w"), params, x, y, steps=10)
+    frozen, _ = train(freeze_keys(decaying, TaggedLora, "w"), params, x, y, steps=10)
 
     def zero_w(grads):
         return {
-            k: LoraMatrix(jnp.zeros_like(g.w), g.a, g.b) if k != "bias" else g
+            k: TaggedLora(jnp.zeros_like(g.w), g.a, g.b) if k != "bias" else g
             for k, g in grads.items()
         }
 
@@ -119,8 +85,8 @@ def test_frozen_weights_stay_frozen_under_weight_decay_and_momentum():
 
 
 def test_frozen_updates_are_zero_and_the_tutorials_argument_order_works():
-    params, x, y = problem()
-    optimizer = freeze_keys(optax.adam(0.05), LoraMatrix, ["w"])
+    params, x, y = lora_problem()
+    optimizer = freeze_keys(optax.adam(0.05), TaggedLora, ["w"])
     grads = jax.grad(qax.use_implicit_args(loss))(params, x, y)
     updates, _ = optimizer.update(grads, optimizer.init(params), params)
     assert not np.any(updates["l1"].w) and np.any(updates["l1"].b)
@@ -129,11 +95,11 @@ def test_frozen_updates_are_zero_and_the_tutorials_argument_order_works():
 
 
 def test_scalar_zeros_give_rank_zero_updates():
-    params, x, y = problem()
-    optimizer = freeze_keys(optax.sgd(0.1), LoraMatrix, ["w"], use_scalar_zeros=True)
+    params, x, y = lora_problem()
+    optimizer = freeze_keys(optax.sgd(0.1), TaggedLora, ["w"], use_scalar_zeros=True)
     grads = jax.grad(qax.use_implicit_args(loss))(params, x, y)
     updates, _ = optimizer.update(grads, optimizer.init(params), params)
-    assert updates["l1"].w.shape == () and updates["l1"].a.shape == (8, RANK)
+    assert updates["l1"].w.shape == () and updates["l1"].a.shape == (8, OPTAX_RANK)
     for apply in (optax.apply_updates, apply_updates):
         new = apply(params, updates)
         np.testing.assert_array_equal(new["l1"].w, params["l1"].w)
@@ -205,21 +171,21 @@ def test_freeze_subtrees_rejects_unknown_labels():
 
 def test_freeze_keys_rejects_unknown_and_static_fields():
     with pytest.raises(ValueError, match="no child field 'W'.*'w', 'a', 'b'"):
-        freeze_keys(optax.adam(0.1), LoraMatrix, ["W"])
+        freeze_keys(optax.adam(0.1), TaggedLora, ["W"])
     with pytest.raises(ValueError, match="'tag'"):
-        freeze_keys(optax.adam(0.1), LoraMatrix, ["tag"])
+        freeze_keys(optax.adam(0.1), TaggedLora, ["tag"])
     with pytest.raises(TypeError, match="must be a class"):
-        freeze_keys(optax.adam(0.1), "LoraMatrix", ["w"])
+        freeze_keys(optax.adam(0.1), "TaggedLora", ["w"])
 
 
 def test_freeze_keys_warns_when_nothing_matches():
-    optimizer = freeze_keys(optax.adam(0.1), LoraMatrix, ["w"])
-    with pytest.warns(UserWarning, match="found no LoraMatrix"):
+    optimizer = freeze_keys(optax.adam(0.1), TaggedLora, ["w"])
+    with pytest.warns(UserWarning, match="found no TaggedLora"):
         optimizer.init(PARAMS)
 
 
 def test_float0_gradients_of_integer_leaves():
-    params, x, y = problem()
+    params, x, y = lora_problem()
     params = {**params, "steps": jnp.array([3, 4], jnp.int32)}
 
     def int_loss(params, x, y):
@@ -227,7 +193,7 @@ def test_float0_gradients_of_integer_leaves():
 
     grads = jax.grad(qax.use_implicit_args(int_loss), allow_int=True)(params, x, y)
     assert grads["steps"].dtype == jax.dtypes.float0
-    optimizer = freeze_keys(optax.adam(0.05), LoraMatrix, ["w"])
+    optimizer = freeze_keys(optax.adam(0.05), TaggedLora, ["w"])
     state = optimizer.init(params)
     updates, _ = optimizer.update(grads, state, params)
     new = optax.apply_updates(params, updates)
@@ -259,7 +225,7 @@ def test_apply_updates_with_symbolic_constants():
 
 
 def test_apply_updates_matches_optax_and_skips_float0():
-    params, x, y = problem()
+    params, x, y = lora_problem()
     grads = jax.grad(qax.use_implicit_args(loss))(params, x, y)
     np.testing.assert_array_equal(
         apply_updates(params, grads)["l1"].a, optax.apply_updates(params, grads)["l1"].a

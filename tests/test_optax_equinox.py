@@ -5,20 +5,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _optax_types import LoraMatrix
 
 import qax
 from qax.utils import freeze_keys, freeze_subtrees
-from tests.test_optax import problem, sizes, state_size
+from tests.helpers import TaggedLora, lora_problem, sizes, state_size
 
 eqx = pytest.importorskip("equinox")
 
 
 class EqxModel(eqx.Module):
-    """The two-layer LoRA model of `problem`, as an Equinox module."""
+    """The two-layer LoRA model of `lora_problem`, as an Equinox module."""
 
-    l1: LoraMatrix
-    l2: LoraMatrix
+    l1: TaggedLora
+    l2: TaggedLora
     bias: jax.Array
 
     def __call__(self, x):
@@ -26,7 +25,7 @@ class EqxModel(eqx.Module):
 
 
 def eqx_problem():
-    params, x, y = problem()
+    params, x, y = lora_problem()
     return EqxModel(params["l1"], params["l2"], params["bias"]), x, y
 
 
@@ -50,7 +49,7 @@ def eqx_train(optimizer, model, x, y, steps=20):
 
 def test_freeze_keys_on_an_equinox_model():
     model, x, y = eqx_problem()
-    optimizer = freeze_keys(optax.adam(0.05), LoraMatrix, ["w"])
+    optimizer = freeze_keys(optax.adam(0.05), TaggedLora, ["w"])
     trained, opt_state, first, last = eqx_train(optimizer, model, x, y)
     assert first / last >= 5
     for name in ("l1", "l2"):
@@ -78,14 +77,14 @@ def test_multisteps_inside_accumulates_only_trained_leaves():
     model, x, y = eqx_problem()
     params = {"l1": model.l1, "l2": model.l2, "bias": model.bias}
     trainable = sizes(params, "ab") + model.bias.size
-    inner = freeze_keys(optax.MultiSteps(optax.adam(0.05), 2), LoraMatrix, ["w"])
+    inner = freeze_keys(optax.MultiSteps(optax.adam(0.05), 2), TaggedLora, ["w"])
     trained, opt_state, first, last = eqx_train(inner, model, x, y)
     assert last < first
     np.testing.assert_array_equal(trained.l1.w, model.l1.w)
     # Moments and the gradient accumulator: about 3x the trainable size.
     assert state_size(opt_state) <= 3 * trainable + 16
     # The documented pitfall: MultiSteps outside keeps a W-sized accumulator.
-    outer = optax.MultiSteps(freeze_keys(optax.adam(0.05), LoraMatrix, ["w"]), 2)
+    outer = optax.MultiSteps(freeze_keys(optax.adam(0.05), TaggedLora, ["w"]), 2)
     assert state_size(outer.init(model)) >= state_size(inner.init(model)) + sizes(
         params, "w"
     )

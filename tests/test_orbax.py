@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _integration_types import LoraKernel, lora_kernel
 
 import qax
 import qax.checkpoint
 from qax.symbols import SymbolicConstant
+from tests.helpers import LoraKernel, lora_kernel
 
 ocp = pytest.importorskip("orbax.checkpoint")
 

@@ -36,8 +36,11 @@ N = 4
 
 # ----------------------------------------------------------------------------------------
 # Implicit types: declared with a handler, undeclared without, shape-only with handlers
+# The fuzzer's own types, not tests/helpers.py's: the generator's inputs (which
+# primitives have handlers, which types declare batch axes) are fixed here, beside it.
 
 
+# Like helpers.PlainMatmulLora, but its handler also refuses a stacked (3-D) `w`.
 @dataclass
 class PropLora(qax.ImplicitArray):
     w: qax.ArrayValue = qax.array_field(ndim=2)
@@ -110,6 +113,7 @@ class PropOuter(qax.ImplicitArray):
         return qax.materialize_nested(self.inner) + self.bias
 
 
+# Unlike helpers.Zeros, a `mul` handler only: `add` and broadcasts materialize.
 class PropZeros(qax.ImplicitArray):
     default_dtype = jnp.float32
 

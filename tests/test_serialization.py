@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, make_lora
 
 import qax
 from qax.symbols import SymbolicConstant
+from tests.helpers import assert_close, make_lora
 
 flatbuffers = pytest.importorskip("flatbuffers")
 serialization = pytest.importorskip("flax.serialization")

@@ -1,4 +1,5 @@
-"""Symbolic constants: folding at trace time, checked against the dense computation."""
+"""Symbolic constants: folding at trace time, checked against the dense computation;
+the weak type of tangents at them, and symbolic scalars used as control values."""
 
 import functools
 import itertools
@@ -11,6 +12,7 @@ from jax import lax
 
 import qax
 from qax.symbols import SymbolicConstant, symbolic_full_like, symbolic_zero_like
+from tests.helpers import ClosedZeros, assert_close, materializations
 
 SHAPE = (2, 3)
 C64 = jnp.complex64
@@ -646,3 +648,105 @@ def test_vmap_and_grad_through_constants():
 
     grad = jax.grad(qax.use_implicit_args(loss))(X, const(3.0, F32))
     np.testing.assert_allclose(grad, jax.grad(loss)(X, jnp.full(SHAPE, 3.0)))
+
+
+# ----------------------------------------------------------------------------------------
+# Weak types of tangents at symbolic constants
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_jvp_tangent_at_weak_implicit_keeps_weak_type(jit):
+    bf16 = jnp.ones(3, jnp.bfloat16)
+
+    def f(w, t):
+        _, tangent = jax.jvp(jnp.sin, (w,), (t,))
+        return tangent * bf16, jax.typeof(tangent).weak_type
+
+    w = SymbolicConstant(2.0, shape=(3,))
+    assert w.aval.weak_type
+    run = qax.use_implicit_args(f)
+    if jit:
+        run = jax.jit(run, static_argnums=())
+    t = jnp.ones(3)
+    (got, got_weak), (expected, expected_weak) = run(w, t), f(dense(w), t)
+    assert got.dtype == expected.dtype == jnp.bfloat16
+    assert bool(got_weak) == bool(expected_weak)
+    assert_close(got, expected)
+
+
+# ----------------------------------------------------------------------------------------
+# Symbolic scalars as control values
+
+
+def _cond(p, x):
+    return lax.cond(p, jnp.sin, jnp.cos, x)
+
+
+def _switch(i, x):
+    return lax.switch(i, [jnp.sin, jnp.cos, jnp.tanh], x)
+
+
+def _index(i, x):
+    return x[i] * 2.0
+
+
+def _dynamic_slice(i, x):
+    return lax.dynamic_slice(x, (i,), (2,))
+
+
+CONTROL = [
+    (_cond, SymbolicConstant(True, shape=())),
+    (_cond, SymbolicConstant(False, shape=())),
+    (_switch, SymbolicConstant(1, shape=())),
+    (_switch, SymbolicConstant(7, shape=())),  # clamped, as lax.switch does
+    (_index, SymbolicConstant(2, shape=())),
+    (_index, SymbolicConstant(-1, shape=(), dtype=jnp.int32)),
+    (_dynamic_slice, SymbolicConstant(1, shape=())),
+]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize(
+    ("f", "c"),
+    CONTROL,
+    ids=[
+        "cond-true",
+        "cond-false",
+        "switch",
+        "switch-clamped",
+        "index",
+        "neg",
+        "slice",
+    ],
+)
+def test_symbolic_scalar_as_control_value_is_silent(f, c, jit):
+    x = jnp.arange(4.0)
+    run = qax.use_implicit_args(f)
+    if jit:
+        run = jax.jit(run)
+    with qax.materialization_policy(SymbolicConstant, "error"):
+        got = run(c, x)
+    assert_close(got, f(dense(c), x))
+
+
+def test_cond_on_symbolic_predicate_keeps_the_chosen_branch_implicit():
+    # Only the chosen branch runs, so its implicit output need not agree with the
+    # other branch's structure.
+    def f(p, z, x):
+        return lax.cond(p, lambda z, x: z * x, lambda z, x: x + 1.0, z, x)
+
+    z, x = ClosedZeros(shape=(3,)), jnp.arange(3.0)
+    out = qax.use_implicit_args(f)(SymbolicConstant(True, shape=()), z, x)
+    assert isinstance(out, ClosedZeros)
+    out = qax.use_implicit_args(f)(SymbolicConstant(False, shape=()), z, x)
+    assert_close(out, x + 1.0)
+
+
+def test_symbolic_scalar_with_an_array_operand_still_warns():
+    # Only rank-0 constants are literals; a constant array used where no handler
+    # applies is still materialized with the standard warning.
+    c = SymbolicConstant(1.0, shape=(4,))
+    with materializations() as found:
+        out = qax.use_implicit_args(jnp.cumsum)(c)
+    assert_close(out, np.cumsum(np.ones(4)))
+    assert any("cumsum" in msg for msg in found)

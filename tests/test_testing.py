@@ -8,7 +8,7 @@ import pytest
 
 import qax
 from qax.testing import HandlerCheckError, check_handler
-from tests._audit_types import LoraMatrix, Zeros, is_plain_matmul, make_lora
+from tests.helpers import PlainMatmulLora, Zeros, is_plain_matmul, make_lora
 
 KEYS = jax.random.split(jax.random.PRNGKey(1), 3)
 X = jax.random.normal(KEYS[0], (3, 5))
@@ -20,27 +20,27 @@ MATMUL = dict(
 )
 
 
-class ForgetsLowRank(LoraMatrix):
+class ForgetsLowRank(PlainMatmulLora):
     pass
 
 
-class DropsAColumn(LoraMatrix):
+class DropsAColumn(PlainMatmulLora):
     pass
 
 
-class WrongDtype(LoraMatrix):
+class WrongDtype(PlainMatmulLora):
     pass
 
 
-class BlocksGradient(LoraMatrix):
+class BlocksGradient(PlainMatmulLora):
     pass
 
 
-class AlwaysPasses(LoraMatrix):
+class AlwaysPasses(PlainMatmulLora):
     pass
 
 
-class NoMatmulHandler(LoraMatrix):
+class NoMatmulHandler(PlainMatmulLora):
     pass
 
 
@@ -88,7 +88,9 @@ def always_passes(primitive, x: jax.Array, w: AlwaysPasses, **params):
 
 
 def test_right_handler_passes_under_every_transformation():
-    result = check_handler("dot_general", X, make_lora(KEYS[1], 5, 7), **MATMUL)
+    result = check_handler(
+        "dot_general", X, make_lora(KEYS[1], 5, 7, cls=PlainMatmulLora), **MATMUL
+    )
     assert result.checks == (
         ("eager", "passed"),
         ("jit", "passed"),
@@ -100,7 +102,7 @@ def test_right_handler_passes_under_every_transformation():
     assert (
         str(result)
         .splitlines()[0]
-        .startswith("check_handler('dot_general'): lora_matmul")
+        .startswith("check_handler('dot_general'): plain_matmul_lora_matmul")
     )
 
 
@@ -142,7 +144,7 @@ def test_a_handler_that_passes_is_not_a_pass():
 
 
 def test_unsupported_dimension_numbers_fall_back_and_are_reported():
-    w = make_lora(KEYS[1], 5, 7)
+    w = make_lora(KEYS[1], 5, 7, cls=PlainMatmulLora)
     y = jax.random.normal(KEYS[2], (3, 7))
     params = dict(MATMUL, dimension_numbers=(((1,), (1,)), ((), ())))
     assert not is_plain_matmul(y, params["dimension_numbers"])
@@ -152,13 +154,13 @@ def test_unsupported_dimension_numbers_fall_back_and_are_reported():
 
 def test_no_handler():
     with pytest.raises(HandlerCheckError, match="no handler applies") as info:
-        check_handler("cos", make_lora(KEYS[1], 5, 7))
-    assert "qax.explain('cos', LoraMatrix)" in str(info.value)
+        check_handler("cos", make_lora(KEYS[1], 5, 7, cls=PlainMatmulLora))
+    assert "qax.explain('cos', PlainMatmulLora)" in str(info.value)
 
 
 def test_missing_params_say_how_to_find_them():
     with pytest.raises(ValueError, match="jax.make_jaxpr"):
-        check_handler("dot_general", X, make_lora(KEYS[1], 5, 7))
+        check_handler("dot_general", X, make_lora(KEYS[1], 5, 7, cls=PlainMatmulLora))
 
 
 def test_needs_an_implicit_argument():

@@ -17,7 +17,7 @@ import pytest
 from jax import lax
 
 import qax
-from tests.helpers import LoraMatrix, assert_close
+from tests.helpers import LoraMatrix, UndeclaredLora, assert_close
 
 KEY = jax.random.PRNGKey(7)
 
@@ -39,18 +39,10 @@ def _filled_mul(primitive, a: FilledConst, b: jax.Array):
     return jnp.broadcast_to(a.value * b, a.shape).astype(a.dtype)
 
 
+# Not helpers.Scaled: its `mul` handler takes any operand and is right for one example
+# only (what this file tests); helpers.Scaled's refuses a non-scalar operand.
 @dataclass
-class UndeclaredLora(qax.ImplicitArray):
-    w: qax.ArrayValue
-    a: qax.ArrayValue
-    b: qax.ArrayValue
-
-    def materialize(self):
-        return self.w + self.a @ self.b.T
-
-
-@dataclass
-class Scaled(qax.ImplicitArray):
+class UndeclaredScaled(qax.ImplicitArray):
     """`x * s` for a scalar `s`; its handler is written for one example."""
 
     x: qax.ArrayValue
@@ -61,7 +53,7 @@ class Scaled(qax.ImplicitArray):
 
 
 @qax.primitive_handler("mul")
-def _scaled_mul(primitive, a: Scaled, b: jax.Array):
+def _scaled_mul(primitive, a: UndeclaredScaled, b: jax.Array):
     # Right for a scalar `s` only: on a stack of examples (`s` of shape [n]) it would
     # broadcast `s` along the last axis.
     return a.x * a.s * b
@@ -134,7 +126,7 @@ def test_vmap_examples_get_the_shape_of_what_they_materialize():
 
 
 def test_vmap_with_a_leaf_that_cannot_be_mapped_fails_as_for_any_pytree():
-    v = Scaled(jnp.ones((3, 4)), jnp.asarray(2.0))
+    v = UndeclaredScaled(jnp.ones((3, 4)), jnp.asarray(2.0))
     with pytest.raises(ValueError, match="rank"):
         jax.vmap(qax.use_implicit_args(lambda v: v.sum()))(v)
 
@@ -146,8 +138,8 @@ def test_vmap_with_a_leaf_that_cannot_be_mapped_fails_as_for_any_pytree():
 def test_instances_built_inside_vmap_come_out_stacked():
     xs = jax.random.normal(KEY, (4, 3))
     scales = jnp.arange(1.0, 5.0)
-    stacked = jax.vmap(Scaled)(xs, scales)
-    assert isinstance(stacked, Scaled)
+    stacked = jax.vmap(UndeclaredScaled)(xs, scales)
+    assert isinstance(stacked, UndeclaredScaled)
     assert stacked.shape == (4, 3) and stacked.x.shape == (4, 3)
     assert stacked.s.shape == (4,)
     assert_close(stacked.materialize(), xs * scales[:, None])
@@ -159,7 +151,7 @@ def test_instances_built_inside_vmap_come_out_stacked():
 def test_a_stack_of_examples_never_reaches_a_handler_for_one_example():
     xs = jax.random.normal(KEY, (4, 4))  # square: a wrong broadcast would not fail
     scales = jnp.arange(1.0, 5.0)
-    stacked = jax.vmap(Scaled)(xs, scales)
+    stacked = jax.vmap(UndeclaredScaled)(xs, scales)
     y = jax.random.normal(jax.random.PRNGKey(2), (4, 4))
     with pytest.warns(qax.MaterializationWarning, match="stacked by `jax.vmap`"):
         got = qax.use_implicit_args(lambda a, y: a * y)(stacked, y)
@@ -174,7 +166,7 @@ def test_a_stack_of_examples_never_reaches_a_handler_for_one_example():
 def test_stacks_of_examples_nest_and_survive_jit_grad_and_scan():
     xs = jax.random.normal(KEY, (2, 3, 5))
     scales = jax.random.normal(jax.random.PRNGKey(3), (2, 3))
-    twice = jax.vmap(jax.vmap(Scaled))(xs, scales)
+    twice = jax.vmap(jax.vmap(UndeclaredScaled))(xs, scales)
     assert twice.shape == (2, 3, 5)
     want = xs * scales[..., None]
     assert_close(twice.materialize(), want)
@@ -189,7 +181,7 @@ def test_stacks_of_examples_nest_and_survive_jit_grad_and_scan():
     assert_close(first.materialize(), want[0])
     # gradients with respect to the leaves of a stack
     grads = jax.grad(lambda t: jnp.sum(jnp.sin(t.materialize())))(twice)
-    assert isinstance(grads, Scaled) and grads.shape == twice.shape
+    assert isinstance(grads, UndeclaredScaled) and grads.shape == twice.shape
     assert_close(grads.x, jnp.cos(want) * scales[..., None], rtol=1e-5)
 
 
@@ -215,12 +207,15 @@ def test_vmap_stacks_an_undeclared_type_around_a_declared_one():
 def test_scan_inside_slices_a_stack_of_examples_leaf_by_leaf():
     xs = jax.random.normal(KEY, (4, 3))
     scales = jnp.arange(1.0, 5.0)
-    stacked = jax.vmap(Scaled)(xs, scales)
+    stacked = jax.vmap(UndeclaredScaled)(xs, scales)
     y = jnp.ones(3)
 
     def f(a):
         def body(c, row):
-            return c + row * y, None  # `row` is one Scaled: its handler applies
+            return (
+                c + row * y,
+                None,
+            )  # `row` is one UndeclaredScaled: its handler applies
 
         return lax.scan(body, jnp.zeros(3), a)[0]
 
@@ -235,7 +230,7 @@ def test_scan_inside_slices_a_stack_of_examples_leaf_by_leaf():
 
 
 def test_vmap_inside_use_implicit_args_gives_the_dense_numbers():
-    v = Scaled(jax.random.normal(KEY, (3, 4)), jnp.asarray(2.0))
+    v = UndeclaredScaled(jax.random.normal(KEY, (3, 4)), jnp.asarray(2.0))
 
     def f(v):
         return jax.vmap(lambda row: jnp.sum(row * row))(v)
@@ -246,7 +241,7 @@ def test_vmap_inside_use_implicit_args_gives_the_dense_numbers():
 
 
 def test_scan_inside_over_an_undeclared_type_is_materialized_with_a_warning():
-    v = Scaled(jax.random.normal(KEY, (3, 4)), jnp.asarray(2.0))
+    v = UndeclaredScaled(jax.random.normal(KEY, (3, 4)), jnp.asarray(2.0))
 
     def f(v):
         return lax.scan(lambda c, row: (c + row, None), jnp.zeros(4), v)[0]
@@ -279,7 +274,7 @@ def test_vmap_over_a_value_built_inside_maps_its_leaves_as_the_dense_program_doe
 
     def f(xs, scales):
         # `shape` given for one example, as the original Qax's types did
-        stack = Scaled(xs, scales, shape=(3,), dtype=jnp.float32)
+        stack = UndeclaredScaled(xs, scales, shape=(3,), dtype=jnp.float32)
         return jax.vmap(lambda e: _dense(e * 2.0))(stack)
 
     with pytest.warns(qax.MaterializationWarning, match="built inside `jax.vmap`"):

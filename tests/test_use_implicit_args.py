@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 import qax
+from qax._tree_util import implicit_depth
 from tests.helpers import LoraMatrix, Zeros, assert_close, make_lora, primitive_names
 
 KEY = jax.random.PRNGKey(0)
@@ -133,8 +134,6 @@ def test_vmap_over_shape_only_implicit_array_regression():
 
 def test_implicit_arrays_nested_in_each_other():
     nested = LoraMatrix(jnp.ones((3, 5)), Zeros(shape=(3, 6)), Zeros(shape=(5, 6)))
-    from qax._tree_util import implicit_depth
-
     assert implicit_depth(nested) == 2
     x = jnp.arange(3.0)
     f = lambda w, x: jnp.sum(x @ w)  # noqa: E731

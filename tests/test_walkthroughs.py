@@ -1,4 +1,5 @@
-"""The flows of the seed documents, expressed with this API, against materialized oracles."""
+"""Walkthroughs: the flows of the original Qax how-to and the Quax tutorials, written with
+this API and checked against materialized oracles."""
 
 import warnings
 from dataclasses import dataclass
@@ -8,9 +9,9 @@ import jax.numpy as jnp
 import pytest
 
 import qax
-from tests.helpers import BackwardTag, LoraMatrix, Zeros, assert_close
+from tests.helpers import LoraMatrix, NeverMaterialize, Zeros, assert_close
 
-# -- seeds/002: the how-to ---------------------------------------------------------------
+# -- The Qax how-to ----------------------------------------------------------------------
 
 
 def test_howto_zeros_flow_under_jit_returns_zeros():
@@ -82,9 +83,11 @@ def test_howto_nesting_lora_with_symbolic_zeros():
     assert {str(r.message).split()[1] for r in record} <= {"dot_general", "transpose"}
 
 
-# -- seeds/000: re-dispatch to a type written by someone else ----------------------------
+# -- Tutorial: re-dispatch to a type written by someone else -----------------------------
 
 
+# The tutorial's own LoRA: it refuses to materialize and its one handler is `W @ y` for
+# a vector `y`, re-dispatching on `y`'s type (not the shared `LoraMatrix`'s `x @ W`).
 @dataclass
 class RankOneLora(qax.ImplicitArray):
     w: qax.ArrayValue
@@ -188,23 +191,24 @@ def test_quax_ambiguity_tutorial_error_names_both_handlers():
         )
 
 
-# -- seeds/001: a backward-pass tag as a per-type default rule ---------------------------
+# -- Tutorial: a backward-pass tag as a per-type default rule ----------------------------
+# The tag is `NeverMaterialize` (tests/helpers.py): its default rule wraps every result.
 
 
 _tagged_matmuls = []
 
 
 @qax.primitive_handler("dot_general")
-def _tagged_matmul(primitive, lhs: BackwardTag, rhs: jax.Array, **params):
+def _tagged_matmul(primitive, lhs: NeverMaterialize, rhs: jax.Array, **params):
     _tagged_matmuls.append("lhs")
-    return BackwardTag(primitive.bind(lhs.array, rhs, **params))
+    return NeverMaterialize(primitive.bind(lhs.array, rhs, **params))
 
 
 def tagged_value_and_grad(fn):
     def wrapped(arg):
         out, fn_vjp = jax.vjp(fn, arg)
-        (grad,) = qax.use_implicit_args(fn_vjp)(BackwardTag(jnp.ones_like(out)))
-        return out, grad.array if isinstance(grad, BackwardTag) else grad
+        (grad,) = qax.use_implicit_args(fn_vjp)(NeverMaterialize(jnp.ones_like(out)))
+        return out, grad.array if isinstance(grad, NeverMaterialize) else grad
 
     return wrapped
 
@@ -229,7 +233,7 @@ def test_backward_tag_tutorial():
     assert len(_tagged_matmuls) == 3  # one matmul per layer in the backward pass
 
 
-# -- seeds/003: a DiagonalArray --------------------------------------------------------
+# -- Tutorial: a DiagonalArray ----------------------------------------------------------
 
 
 @dataclass

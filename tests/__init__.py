@@ -1,0 +1,1 @@
+"""The qax test suite (a package, so every support module has one name: tests.<name>)."""
