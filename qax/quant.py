@@ -150,8 +150,11 @@ class QuantizedWeight(qax.ImplicitArray):
     def materialize(self) -> jax.Array:
         return self.dequantize()
 
+    def compute_dtype(self) -> Any:
+        return getattr(self, self._scale_field()).dtype  # the codes decode to it
+
     def _scale_field(self) -> str:
-        return "scale"
+        return self._ARRAYS[1]  # (codes, scales)
 
     def field_dims(self) -> dict[str, tuple[int | None, ...]]:
         """Which dimension of the weight each field dimension runs along (for
@@ -191,9 +194,6 @@ class Int8Weight(QuantizedWeight):
     def compute_shape(self) -> tuple[int, ...]:
         return tuple(self.q.shape)
 
-    def compute_dtype(self) -> Any:
-        return self.scale.dtype
-
     @classmethod
     def from_array(
         cls, w: jax.Array, axis: int = -1, batch_ndim: int = 0
@@ -232,7 +232,14 @@ class Int8Weight(QuantizedWeight):
         }
 
 
-class Int4Weight(QuantizedWeight):
+class _PackedFourBits(QuantizedWeight):
+    """4-bit codes packed two per byte along the last axis (`Int4Weight`, `NF4Weight`)."""
+
+    def compute_shape(self) -> tuple[int, ...]:
+        return (*self.packed.shape[:-1], 2 * self.packed.shape[-1])
+
+
+class Int4Weight(_PackedFourBits):
     """4-bit symmetric integers, two per byte, with one scale per group along the last
     axis: ``w[..., g*s:(g+1)*s] ≈ (code - 8) * scale[..., g]``.
 
@@ -253,12 +260,6 @@ class Int4Weight(QuantizedWeight):
 
     _ARRAYS = ("packed", "scale")
 
-    def compute_shape(self) -> tuple[int, ...]:
-        return (*self.packed.shape[:-1], 2 * self.packed.shape[-1])
-
-    def compute_dtype(self) -> Any:
-        return self.scale.dtype
-
     @classmethod
     def from_array(
         cls, w: jax.Array, group_size: int = 64, batch_ndim: int = 0
@@ -278,7 +279,7 @@ class Int4Weight(QuantizedWeight):
         return (groups * scale[..., None]).reshape(values.shape)
 
 
-class NF4Weight(QuantizedWeight):
+class NF4Weight(_PackedFourBits):
     """QLoRA's 4-bit NormalFloat: codes into `NF4_LEVELS`, two per byte, with one
     absmax per block along the last axis: ``w ≈ NF4_LEVELS[code] * absmax[block]``.
 
@@ -298,15 +299,6 @@ class NF4Weight(QuantizedWeight):
     block_size: int = qax.aux_field(default=64)
 
     _ARRAYS = ("packed", "absmax")
-
-    def compute_shape(self) -> tuple[int, ...]:
-        return (*self.packed.shape[:-1], 2 * self.packed.shape[-1])
-
-    def compute_dtype(self) -> Any:
-        return self.absmax.dtype
-
-    def _scale_field(self) -> str:
-        return "absmax"
 
     @classmethod
     def from_array(
