@@ -1,21 +1,11 @@
-"""Declared batch axes: how an implicit array's leaves carry leading batch dimensions.
+"""`vmap` and `scan` on implicit arrays: slicing and stacking them leaf by leaf.
 
-A field declared with ``qax.array_field(ndim=k)`` has `k` dimensions in one unbatched
-array; every further leading dimension of its leaves is a batch dimension. A stacked
-`LoraMatrix` (``w [L,m,n]``, ``a [L,m,r]``, ``b [L,n,r]`` with each field declared
-``ndim=2``) has one batch dimension and represents an array of shape ``(L, m, n)``:
-row ``i`` is the `LoraMatrix` of ``w[i]``, ``a[i]``, ``b[i]``. All fields of one value
-carry the same batch dimensions.
-
-A type *declares its batching* when every child field has a declared `ndim`; a type
-without children (its shape lives only in metadata, like a symbolic zero) batches along
-any axis. Only then may `vmap` and `scan` slice or stack it leaf by leaf; any other
-implicit array is materialized first, with a warning saying how to declare batching.
+The field schema (`qax._fields`) says how an implicit array's leaves carry leading batch
+dimensions. A type that declares its batching (every child field has a declared `ndim`;
+or it has no children, its shape living only in metadata, like a symbolic zero) is
+registered with `vmap` and sliced or stacked leaf by leaf by `vmap` and `scan`; a part
+that cannot be is materialized first, with a warning saying how to declare batching.
 Nothing here is guessed from leaf shapes.
-
-The numbers of batch dimensions is cached on each instance (`NB`); `None` there means
-that the leaves do not fit the declaration (e.g. they were sliced through an unbatched
-dimension by a `tree_map` or a `lax.scan` outside `use_implicit_args`).
 
 A type that declares nothing is not registered with `vmap`: `vmap` (outside
 `use_implicit_args`, or on such a value built inside it) treats it as JAX treats any

@@ -53,6 +53,7 @@ _JIT = primitives_module.jit_p
 
 # ----------------------------------------------------------------------------------------
 # Operators on eager tracers
+#
 # ``t * x`` on a tracer runs JAX's `jnp.multiply`, a jitted function. Under any trace
 # but the eval trace, JAX stages such a call in Python every time (a C++ cache miss,
 # argument parsing, shape inference, `bind`) before its `jit` reaches

@@ -168,13 +168,7 @@ def explain(primitive: str | Primitive, *operand_types: Any) -> Explanation:
     """
     primitive = _dispatch.resolve_primitive(primitive)
     types = tuple(_as_dispatch_type(t) for t in operand_types)
-    swapped = (
-        len(types) == 2
-        and primitive in _interpreter._COMMUTATIVE
-        and not _is_implicit_type(types[0])
-        and _is_implicit_type(types[1])
-        and types[1].commute_ops
-    )
+    swapped = _interpreter.swaps_operands(primitive, types)
     if swapped:
         types = (types[1], types[0])
 
@@ -332,7 +326,7 @@ def _fallback(primitive, implicit, policies) -> tuple[str, ...]:
     steps = []
     if implicit:
         first = implicit[0]
-        if first.default_handler.__func__ is not ImplicitBase.default_handler.__func__:
+        if _interpreter.has_default_rule(first):
             steps.append(
                 f"{first.__name__}.default_handler(primitive, ...) runs; if it returns "
                 "NotImplemented:"

@@ -216,8 +216,7 @@ def apply_primitive(
     if (
         len(vals) == 2
         and primitive in _COMMUTATIVE
-        and not isinstance(vals[0], ImplicitBase)
-        and vals[1].commute_ops
+        and swaps_operands(primitive, (type(vals[0]), type(vals[1])))
     ):
         vals = [vals[1], vals[0]]
 
@@ -239,7 +238,7 @@ def apply_primitive(
         return _unstacked_apply(trace, primitive, vals, params)
 
     cls = type(next(v for v in vals if isinstance(v, ImplicitBase)))
-    if cls.default_handler.__func__ is not _BASE_DEFAULT_HANDLER:
+    if has_default_rule(cls):
         out = call_with_children(
             trace, cls.default_handler, primitive, *vals, params=params
         )
@@ -274,8 +273,25 @@ def _unstacked_apply(trace: ImplicitTrace, primitive: Primitive, vals, params):
     return _bind_dense(trace, primitive, dense, params)
 
 
+def swaps_operands(primitive: Primitive, types: tuple[type, ...]) -> bool:
+    """Step 1 of `apply_primitive`: whether a commutative binary primitive gets its
+    operands of `types` swapped, to put the implicit one first (`qax.explain` asks too)."""
+    return (
+        len(types) == 2
+        and primitive in _COMMUTATIVE
+        and not issubclass(types[0], ImplicitBase)
+        and issubclass(types[1], ImplicitBase)
+        and types[1].commute_ops
+    )
+
+
 # The base rule only says "materialize": classes that keep it skip the call.
 _BASE_DEFAULT_HANDLER = ImplicitBase.default_handler.__func__
+
+
+def has_default_rule(cls: type) -> bool:
+    """Step 4 of `apply_primitive`: whether `cls` overrides `default_handler`."""
+    return cls.default_handler.__func__ is not _BASE_DEFAULT_HANDLER
 
 
 def materialize_and_bind(trace: ImplicitTrace, primitive: Primitive, vals, params):

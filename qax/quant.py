@@ -367,28 +367,24 @@ def _nf4(blocks: jax.Array, absmax: jax.Array) -> tuple[jax.Array, jax.Array]:
 # Handlers
 
 
-def _decoded(w: QuantizedWeight) -> jax.Array:
-    return w.dequantize()
-
-
 @qax.primitive_handler(["dot_general", "conv_general_dilated"])
 def _product_x_w(primitive, x: jax.Array, w: QuantizedWeight, **params) -> jax.Array:
-    return primitive.bind(x, _decoded(w), **params)
+    return primitive.bind(x, w.dequantize(), **params)
 
 
 @qax.primitive_handler("dot_general")
 def _product_w_x(primitive, w: QuantizedWeight, x: jax.Array, **params) -> jax.Array:
-    return primitive.bind(_decoded(w), x, **params)
+    return primitive.bind(w.dequantize(), x, **params)
 
 
 @qax.primitive_handler(["add", "sub"])
 def _elementwise(primitive, w: QuantizedWeight, x: jax.Array) -> jax.Array:
-    return primitive.bind(_decoded(w), x)
+    return primitive.bind(w.dequantize(), x)
 
 
 @qax.primitive_handler("sub")
 def _elementwise_right(primitive, x: jax.Array, w: QuantizedWeight) -> jax.Array:
-    return primitive.bind(x, _decoded(w))
+    return primitive.bind(x, w.dequantize())
 
 
 @qax.primitive_handler("gather")
@@ -411,7 +407,7 @@ def _gather_rows(
         or dn.offset_dims[-1:] != (out_ndim - 1,)
     ):
         return primitive.bind(
-            _decoded(w), indices, dimension_numbers=dn, slice_sizes=sizes, **params
+            w.dequantize(), indices, dimension_numbers=dn, slice_sizes=sizes, **params
         )
     changes = {}
     for field in dataclasses.fields(w):
@@ -428,7 +424,7 @@ def _gather_rows(
             )
         elif any(d != 1 for d in leaf.shape[:-1]):  # a scale per row of another axis
             return primitive.bind(
-                _decoded(w), indices, dimension_numbers=dn, slice_sizes=sizes, **params
+                w.dequantize(), indices, dimension_numbers=dn, slice_sizes=sizes, **params
             )
     return w._decode(**{n: changes.get(n, getattr(w, n)) for n in w._ARRAYS})
 
@@ -460,14 +456,14 @@ def _stop_gradient(primitive, w: QuantizedWeight) -> Any:
 @qax.primitive_handler(["transpose", "broadcast_in_dim", "reshape"])
 def _decode_then(primitive, w: QuantizedWeight, **params) -> jax.Array:
     """Ops that move elements: decode, then run them (inside the handler)."""
-    return primitive.bind(_decoded(w), **params)
+    return primitive.bind(w.dequantize(), **params)
 
 
 @qax.primitive_handler("transpose")
 def _transpose_int8(primitive, w: Int8Weight, *, permutation) -> Int8Weight:
     """Per-channel int8 transposes exactly: codes and (broadcastable) scales."""
     if w.q.ndim != w.ndim:
-        return primitive.bind(_decoded(w), permutation=permutation)
+        return primitive.bind(w.dequantize(), permutation=permutation)
     return Int8Weight(
         lax.transpose(w.q, permutation), lax.transpose(w.scale, permutation)
     )
