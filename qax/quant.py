@@ -424,7 +424,11 @@ def _gather_rows(
             )
         elif any(d != 1 for d in leaf.shape[:-1]):  # a scale per row of another axis
             return primitive.bind(
-                w.dequantize(), indices, dimension_numbers=dn, slice_sizes=sizes, **params
+                w.dequantize(),
+                indices,
+                dimension_numbers=dn,
+                slice_sizes=sizes,
+                **params,
             )
     return w._decode(**{n: changes.get(n, getattr(w, n)) for n in w._ARRAYS})
 
