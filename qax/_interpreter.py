@@ -213,10 +213,11 @@ def apply_primitive(
     4. the per-type rule `cls.default_handler` of the first implicit operand's class;
     5. materialize the implicit operands (one layer), warn, and bind the primitive.
     """
-    if (
+    if (  # `swaps_operands`, inlined (every primitive on an implicit operand runs this)
         len(vals) == 2
         and primitive in _COMMUTATIVE
-        and swaps_operands(primitive, (type(vals[0]), type(vals[1])))
+        and not isinstance(vals[0], ImplicitBase)
+        and vals[1].commute_ops
     ):
         vals = [vals[1], vals[0]]
 
