@@ -22,6 +22,7 @@ stacked dimensions. Its handlers, written for one example, never see a stack: in
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -31,8 +32,9 @@ import numpy as np
 from . import _errors
 from ._base import NB, STACKED, ImplicitBase, is_implicit
 from ._compat import register_vmappable
-from ._entry import densify, materialized_aval
+from ._entry import densify, materialize_nested
 from ._fields import batchable, children_of, fields_of, rebuild
+from ._report import quietly
 
 
 def sliceable(x: ImplicitBase, axis: int) -> bool:
@@ -244,12 +246,44 @@ def _example_shape(obj: ImplicitBase, shape: Any) -> Any:
         return tuple(int(d) for d in own)
     if shape is None:
         return None
+    leaves = jax.tree_util.tree_leaves(
+        [getattr(obj, n) for n in fields_of(type(obj)).children]
+    )
+    try:
+        avals = tuple(_abstract(leaf) for leaf in leaves)
+    except TypeError:
+        return shape
     for candidate in (tuple(shape), tuple(shape[1:])):
-        try:
-            return tuple(materialized_aval(rebuild(obj, {}, candidate, 0)).shape)
-        except Exception:  # noqa: BLE001 (any failure means "not this shape")
-            continue
+        probe = rebuild(obj, {}, candidate, 0)
+        found = _materialized_shape(jax.tree_util.tree_structure(probe), avals)
+        if found is not None:
+            return found
     return shape
+
+
+def _abstract(leaf: Any) -> tuple:
+    shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+    if shape is None or dtype is None:
+        aval = jax.typeof(leaf)
+        shape, dtype = aval.shape, aval.dtype
+    weak = bool(getattr(getattr(leaf, "aval", None), "weak_type", False))
+    return (tuple(shape), np.dtype(dtype), weak)
+
+
+@functools.lru_cache(maxsize=1024)
+def _materialized_shape(tree: Any, avals: tuple) -> tuple | None:
+    """The shape of `materialize()` of the value with treedef `tree` and leaves of
+    `avals`, or None if it fails."""
+    structs = [jax.ShapeDtypeStruct(s, d, weak_type=w) for s, d, w in avals]
+
+    def run(*leaves):
+        return materialize_nested(jax.tree_util.tree_unflatten(tree, leaves), full=True)
+
+    try:
+        with quietly():
+            return tuple(jax.eval_shape(run, *structs).shape)
+    except Exception:  # noqa: BLE001 (any failure means "not this shape")
+        return None
 
 
 def _child_to_elt(cont: Callable, y: Any, axis: int) -> Any:

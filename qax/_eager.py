@@ -190,11 +190,27 @@ class EagerTrace(ImplicitTrace):
         recording.append((primitive, tracers, params, out))
         return out
 
-    def function_operands(self, tracers) -> list:
-        # A call, custom derivative or `shard_map` is never an operator's only bind.
+    # A call, custom derivative or `shard_map` is never an operator's only bind.
+
+    def process_call(self, *args, **kwargs):
+        self._not_an_operator()
+        return super().process_call(*args, **kwargs)
+
+    def process_custom_jvp_call(self, *args, **kwargs):
+        self._not_an_operator()
+        return super().process_custom_jvp_call(*args, **kwargs)
+
+    def process_custom_vjp_call(self, *args, **kwargs):
+        self._not_an_operator()
+        return super().process_custom_vjp_call(*args, **kwargs)
+
+    def process_shard_map(self, *args, **kwargs):
+        self._not_an_operator()
+        return super().process_shard_map(*args, **kwargs)
+
+    def _not_an_operator(self) -> None:
         if self.recording is not None:
             self.recording.append(None)
-        return super().function_operands(tracers)
 
     def run_operator(
         self, name: str, jax_method: Callable, tracer: Any, args: tuple

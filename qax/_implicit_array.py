@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import operator
@@ -28,7 +29,7 @@ from ._compat import (
     varying_aval,
     varying_axes,
 )
-from ._entry import enter_current_trace, materialized_aval, use_implicit_args
+from ._entry import enter_current_trace, use_implicit_args
 from ._errors import UninitializedAval
 from ._fields import (
     NO_ARRAYS,
@@ -37,6 +38,8 @@ from ._fields import (
     fields_of,
     leaf_batch_shape,
 )
+from ._interpreter import implicit_children
+from ._report import quietly
 
 # Instance attribute caching `aval` (keyed by shape and dtype, in case they are reassigned).
 _AVAL_CACHE = "_qax_aval_cache"
@@ -223,7 +226,7 @@ class ImplicitArray(ImplicitBase):
 
     def _resolve_from_materialize(self, missing: str | None) -> None:
         try:
-            out = materialized_aval(self)
+            out = _materialized_aval(self)
         except Exception as e:  # noqa: BLE001 (any failure means "cannot infer")
             if missing:
                 raise UninitializedAval(
@@ -453,3 +456,84 @@ def _short(x: Any) -> str:
 
 def _canonical_dtype(dtype: Any) -> np.dtype:
     return jax.dtypes.canonicalize_dtype(dtype)
+
+
+# Per class: (treedef, leaf avals) -> the `jax.ShapeDtypeStruct` of `materialize()`.
+# `materialize` is traced on abstract leaves, so its result's shape and dtype depend on
+# nothing else; a handler that returns a new instance of a type without `compute_shape`
+# then pays a dictionary lookup instead of a trace.
+_SHAPES = "_qax_materialized_shapes"
+_SHAPES_LIMIT = 1024
+
+
+def _materialized_aval(obj: ImplicitArray) -> Any:
+    """`_eval_shape_of_materialize(obj)`, cached per class and leaf avals."""
+    cls = type(obj)
+    try:
+        leaves, tree = jax.tree_util.tree_flatten(obj)
+        key = (tree, tuple(map(_leaf_key, leaves)))
+        hash(key)
+    except TypeError:  # an unhashable aux field, or a leaf that is not an array
+        return _eval_shape_of_materialize(obj)
+    cache = cls.__dict__.get(_SHAPES)
+    if cache is None:
+        cache = {}
+        type.__setattr__(cls, _SHAPES, cache)
+    found = cache.get(key)
+    if found is None:
+        found = _eval_shape_of_materialize(obj)
+        if len(cache) >= _SHAPES_LIMIT:
+            cache.clear()
+        cache[key] = found
+    return found
+
+
+def _leaf_key(leaf: Any) -> tuple:
+    """What tracing `materialize()` sees of one leaf: shape, dtype, weak type."""
+    aval = getattr(leaf, "aval", None)  # arrays and tracers, without their sharding
+    if aval is None:
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            return (leaf.shape, leaf.dtype, bool(leaf.weak_type))
+        aval = jax.typeof(leaf)
+    return (aval.shape, aval.dtype, aval.weak_type)
+
+
+def _eval_shape_of_materialize(obj: ImplicitArray) -> Any:
+    """`jax.eval_shape` of `obj.materialize()`, quietly; `obj` may be half-built.
+
+    Child fields given as `jax.ShapeDtypeStruct`s (for `jax.eval_shape` or AOT
+    lowering) have no values: they become abstract arguments of `eval_shape`.
+    """
+    structs = _shape_dtype_struct_fields(obj)
+
+    def run(*values: Any) -> Any:
+        target = obj
+        if structs:
+            target = copy.copy(obj)
+            for name, value in zip(structs, values):
+                object.__setattr__(target, name, value)
+        children = implicit_children(target)
+        if not children:
+            return type(target).materialize(target)
+        names = [n for n, _ in children]
+
+        def inner(*values):
+            clone = copy.copy(target)
+            for n, v in zip(names, values):
+                object.__setattr__(clone, n, v)
+            return type(target).materialize(clone)
+
+        return use_implicit_args(inner)(*[c for _, c in children])
+
+    with quietly():
+        return jax.eval_shape(run, *(getattr(obj, n) for n in structs))
+
+
+def _shape_dtype_struct_fields(obj: ImplicitArray) -> list[str]:
+    """The child fields of `obj` that are pytrees of `jax.ShapeDtypeStruct`s."""
+    found = []
+    for name in fields_of(type(obj)).children:
+        leaves = jax.tree_util.tree_leaves(getattr(obj, name, None))
+        if leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+            found.append(name)
+    return found

@@ -160,26 +160,23 @@ class ImplicitTrace(Trace):
             return val
         return self.parent_trace.stage_value(val)
 
-    def function_operands(self, tracers) -> list:
-        """The values of `tracers`, for the rule of a primitive that carries a function
-        (a call, a custom derivative, `shard_map`)."""
-        return [self.to_value(t) for t in tracers]
-
     def process_call(self, call_primitive, f, tracers, params):
         # (JAX 0.10's call primitives; later versions bind `eval_jaxpr` instead.)
         rule = _dispatch.function_rules[call_primitive]
-        return rule(self, call_primitive, f, self.function_operands(tracers), params)
+        return rule(
+            self, call_primitive, f, [self.to_value(t) for t in tracers], params
+        )
 
     def process_custom_jvp_call(self, primitive, fun, jvp, tracers, *, symbolic_zeros):
         rule = _dispatch.custom_jvp_rules[primitive]
-        vals = self.function_operands(tracers)
+        vals = [self.to_value(t) for t in tracers]
         return rule(self, primitive, fun, jvp, vals, symbolic_zeros=symbolic_zeros)
 
     def process_custom_vjp_call(
         self, primitive, fun, fwd, bwd, tracers, *, out_trees, symbolic_zeros
     ):
         rule = _dispatch.custom_vjp_rules[primitive]
-        vals = self.function_operands(tracers)
+        vals = [self.to_value(t) for t in tracers]
         return rule(
             self,
             primitive,
@@ -193,7 +190,7 @@ class ImplicitTrace(Trace):
 
     def process_shard_map(self, primitive, fun, tracers, **params):
         rule = _dispatch.function_rules[primitive]
-        return rule(self, primitive, fun, self.function_operands(tracers), params)
+        return rule(self, primitive, fun, [self.to_value(t) for t in tracers], params)
 
 
 # ----------------------------------------------------------------------------------------
