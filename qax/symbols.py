@@ -70,7 +70,7 @@ _TRACED_VALUE = (
 )
 
 
-Aval = Any  # an abstract value (a `jax.core.ShapedArray`, what `jax.typeof` returns)
+Aval = Any  # an abstract value: what `jax.typeof` returns
 
 # Abstract values by (shape, dtype, weak type): tracing asks for them on every operation.
 _avals: dict[tuple, Aval] = {}
