@@ -2,15 +2,16 @@
 
 Eagerly, every `jnp` function is a jitted function that JAX stages in Python each time
 it is called under a trace other than its eval trace (a C++ cache miss, argument
-parsing, shape inference, `bind`): several times the cost of the operation itself. Two
-fast paths bring the eager cost down, both in `EagerTrace`, the `ImplicitTrace` that
-`use_implicit_args` opens on top of the eval trace:
+parsing, shape inference, `bind`), and every handler runs its Python on every call:
+several times the cost of the operation itself. Two fast paths bring the eager cost
+down, both in `EagerTrace`, the `ImplicitTrace` that `use_implicit_args` opens on top
+of the eval trace:
 
 - a `jit` bound on plain operands runs a `jax.jit` of its jaxpr, compiled once per
   jaxpr (`eager_jit`), whose later calls take JAX's C++ fast path;
-- an operator on an implicit tracer (``t * x``) remembers the `jit` that its `jnp`
-  function binds, per (operator, JAX's configuration, operand types), and later binds
-  it directly (`EagerTracer`, `EagerTrace.run_operator`).
+- an operation on implicit operands (a primitive, or an operator such as ``t * x``)
+  seen again with the same signature runs a compiled copy of what it did, traced once
+  (a "lane", `run_lane`); its results go on to the next lane as leaves (`LaneTracer`).
 
 One thread shares one eager trace across calls (`eager_trace`): JAX keys its caches of
 `jit` traces on the current trace. Setting the environment variable
@@ -20,6 +21,7 @@ transformation), to tell whether a problem comes from here.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import os
 import threading
@@ -29,43 +31,215 @@ from typing import Any
 
 import jax
 
-from ._base import ImplicitBase
+from ._base import ImplicitBase, quiet_materialization
 from ._compat import (
     ArrayImpl,
+    ClosedJaxpr,
     Trace,
     Tracer,
     TraceTag,
     bind_canonical,
-    canonicalize_value,
     current_trace,
+    init_tracer,
     is_eval_trace,
     jaxpr_as_fun,
     jit_context,
     jit_params_are_default,
     primitives_module,
     set_current_trace,
+    typeof,
 )
+from ._dispatch import generation, primitive_rules
 from ._interpreter import ImplicitTag, ImplicitTrace, ImplicitTracer, apply_primitive
+from ._report import holding_reports, recording, replay, source_line
 
 ENABLED = os.environ.get("QAX_EAGER_FAST_PATHS", "1") != "0"
 
 _JIT = primitives_module.jit_p
 
 # ----------------------------------------------------------------------------------------
-# Operators on eager tracers
+# Lanes: one eager operation on implicit operands, compiled per signature
 #
-# ``t * x`` on a tracer runs JAX's `jnp.multiply`, a jitted function. Under any trace
-# but the eval trace, JAX stages such a call in Python every time (a C++ cache miss,
-# argument parsing, shape inference, `bind`) before its `jit` reaches
-# `process_primitive`: several times the cost of the operation itself. Eagerly, the
-# `jit` that an operator binds is remembered per (operator, operand types, JAX's
-# configuration) the first time, and later calls bind it on the trace directly.
+# Eagerly, an operation on implicit operands costs its handler's Python (and each `jnp`
+# call inside it) on every call; an operator (``t * x``) first costs JAX's staging of
+# its `jnp` function. The first time an operation is seen with a signature (operand
+# structure, leaf types, baked scalars, handler registrations), it runs the ordinary
+# way and what it materialized and returned is noted. The second time, it is traced
+# once on abstract leaves, as under `jit`, and compiled, unless tracing changes what it
+# does (a handler that reads concrete values fails or answers otherwise): then it keeps
+# the ordinary path. Later calls under the same JAX configuration run the compiled
+# program; they report its materializations again (`replay`), and a result that goes
+# on to another lane stays leaves (`LaneTracer`).
 
-# (operator, config, operand types) -> (params of the `jit` it binds, where each of its
-# operands comes from).
-_operator_binds: dict[tuple, tuple] = {}
-_OPERATOR_CACHE_LIMIT = 4096
+# key -> `_Seen`, `_Lane` or `_NO_LANE`.
+_lanes: dict[tuple, Any] = {}
+# (tree, leaf types) of an implicit operand -> one object standing for it, so that the
+# keys of `_lanes` hash and compare fast.
+_signatures: dict[tuple, object] = {}
+_LANE_LIMIT = 4096
 _SCALARS = (bool, int, float, complex)
+_NO_LANE = object()
+
+
+class _Seen:
+    """An operation seen once: what its ordinary run materialized and returned."""
+
+    __slots__ = ("events", "trees")
+
+    def __init__(self):
+        self.events: list = []
+        self.trees: list | None = None  # one tree per output, once the run returned
+
+    def noted(self, outs: list) -> None:
+        """Note the output values (or this trace's tracers) of the ordinary run."""
+        self.trees = [
+            jax.tree_util.tree_structure(
+                o.value if isinstance(o, ImplicitTracer) else o
+            )
+            for o in outs
+        ]
+
+
+class _Lane:
+    """A compiled eager operation: its program, the JAX configuration it was traced
+    under, how its outputs are rebuilt, the materializations it reports."""
+
+    __slots__ = ("compiled", "context", "trees", "outputs", "events")
+
+    def __init__(self, compiled, context, trees, events):
+        self.compiled = compiled
+        self.context = context
+        self.trees = trees  # per output: (tree, number of leaves)
+        # Per output: (tree or None for an array, number of leaves, signature, aval);
+        # known after the first run.
+        self.outputs = None
+        self.events = events
+
+    def run(self, leaves: list) -> tuple[list, list]:
+        """(`outputs`, flat results) of the program on `leaves`."""
+        if self.events:
+            here = source_line()
+            replay([dataclasses.replace(e, source=here) for e in self.events])
+        outs = self.compiled(*leaves)
+        if self.outputs is None:
+            self.outputs = _outputs(self.trees, outs)
+        return self.outputs, outs
+
+
+def _outputs(trees: list, outs: list) -> list:
+    """How each output of a lane is rebuilt from its flat results `outs`."""
+    outputs, start = [], 0
+    for tree, n in trees:
+        value = tree.unflatten(outs[start : start + n])
+        start += n
+        if isinstance(value, ImplicitBase):
+            found = operand(value)
+            signature = found[0] if found is not None else None
+            outputs.append((tree, n, signature, value.aval))
+        elif n == 1 and tree.num_nodes == 1:  # a plain array
+            outputs.append((None, 1, None, None))
+        else:
+            outputs.append((tree, n, None, None))
+    return outputs
+
+
+def operand(x: Any) -> tuple | None:
+    """(signature, leaves) of an operand of a lane; None: it cannot enter one."""
+    if type(x) is ArrayImpl:  # (a placed array's sharding is part of its type)
+        return (x.shape, x.dtype, x.weak_type, x.committed and x.sharding), (x,)
+    if not isinstance(x, ImplicitBase):
+        return None
+    leaves, tree = jax.tree_util.tree_flatten(x)
+    kinds = []
+    for leaf in leaves:
+        if type(leaf) is ArrayImpl:
+            kind = (leaf.shape, leaf.dtype, leaf.weak_type)
+            kinds.append((*kind, leaf.committed and leaf.sharding))
+        elif isinstance(leaf, Tracer):  # an implicit array built from tracers
+            return None
+        else:
+            try:
+                kinds.append(typeof(leaf))
+            except TypeError:
+                return None
+    key = (tree, tuple(kinds))
+    try:
+        signature = _signatures.get(key)
+    except TypeError:  # unhashable aux data
+        return None
+    if signature is None:
+        signature = _signatures[key] = object()
+    return signature, leaves
+
+
+def run_lane(
+    trace: EagerTrace, head: tuple, operands: list, vals: list, run: Callable
+) -> Any:
+    """The lane of an operation, if it has one: (its `outputs`, its flat results).
+
+    Otherwise a `_Seen` on the operation's first sighting (the caller runs it the
+    ordinary way inside `recording(seen.events)` and calls `seen.noted`), else
+    `_NO_LANE`. `head` names the operation (with the values baked into it);
+    `operands` are the `operand`s of `vals` (values, or this trace's tracers); `run`
+    performs the operation on values with `sub` (an `ImplicitTrace`) current and
+    returns a list of values.
+    """
+    key = (head, quiet_materialization.get(), generation[0], *[o[0] for o in operands])
+    try:
+        lane = _lanes.get(key)
+    except TypeError:  # unhashable parameters
+        return _NO_LANE
+    if lane is None:
+        if len(_lanes) >= _LANE_LIMIT:
+            _lanes.clear()
+            _signatures.clear()
+        seen = _lanes[key] = _Seen()
+        return seen
+    leaves = [leaf for o in operands for leaf in o[1]]
+    context = jit_context()
+    if type(lane) is _Seen:
+        if lane.trees is None or jax.config.jax_disable_jit:
+            return _NO_LANE
+        lane = _lanes[key] = _build_lane(trace, leaves, vals, run, context, lane)
+    if lane is _NO_LANE or lane.context != context:
+        return _NO_LANE
+    return lane.run(leaves)
+
+
+def _build_lane(trace, leaves, vals, run, context, seen: _Seen) -> Any:
+    """Trace `run` on abstract `leaves` (materializations held) and compile it: a
+    `_Lane`, or `_NO_LANE` if it cannot be traced or does other than `seen` noted."""
+    vals = [v.value if isinstance(v, ImplicitTracer) else v for v in vals]
+    tree = jax.tree_util.tree_structure(vals)
+    trees = []
+
+    def flat(*leaves):
+        sub = ImplicitTrace(current_trace(), ImplicitTag())
+        with set_current_trace(sub):
+            outs = run(sub, jax.tree_util.tree_unflatten(tree, leaves))
+        flat_outs = []
+        for out in sub.unwrap_tree(outs):
+            out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+            trees.append((out_tree, len(out_leaves)))
+            flat_outs.extend(out_leaves)
+        return flat_outs
+
+    events: list = []
+    try:
+        with holding_reports(events), set_current_trace(trace.parent_trace):
+            closed = jax.make_jaxpr(flat)(*leaves)
+    except Exception:  # noqa: BLE001 (not traceable: the ordinary path decides)
+        return _NO_LANE
+    if [t for t, _ in trees] != seen.trees or _sourceless(events) != _sourceless(
+        seen.events
+    ):
+        return _NO_LANE
+    compiled = forwarding(closed) or compile_jaxpr(closed)
+    return _Lane(compiled, context, trees, events)
+
+
+def _sourceless(events: list) -> list:
+    return [dataclasses.replace(e, source=None) for e in events]
 
 
 def _operator(name: str) -> Callable:
@@ -74,7 +248,7 @@ def _operator(name: str) -> Callable:
 
     def method(self, *args):
         trace = self.owner
-        if trace.recording is None and current_trace() is trace:
+        if current_trace() is trace:
             return trace.run_operator(name, jax_method, self, args)
         return jax_method(self, *args)
 
@@ -82,42 +256,8 @@ def _operator(name: str) -> Callable:
     return method
 
 
-def _operand_key(x: Any, trace: ImplicitTrace) -> Any:
-    """What JAX's staging of an operator sees of operand `x`; None: not remembered."""
-    if isinstance(x, ImplicitTracer):
-        return x.aval if x.owner is trace else None
-    if type(x) is ArrayImpl:
-        # Concrete scalars may change what `jnp` does (`x ** 2` is an `integer_pow`).
-        return (x.aval, x.sharding) if x.ndim else None
-    if type(x) in _SCALARS:
-        return type(x), repr(x)  # repr: tells 0.0 from -0.0
-    return None
-
-
-def _operand_sources(bound: list, operands: tuple) -> tuple | None:
-    """Where each operand of a recorded `jit` bind came from, among `operands`.
-
-    Entries: (index, kind), kind 0 for an implicit tracer (its value is bound), 1 for
-    an array (bound as it is), 2 for a Python scalar (bound canonicalized).
-    """
-    sources = []
-    for b in bound:
-        for j, x in enumerate(operands):
-            if b is x:
-                sources.append((j, 0 if isinstance(x, ImplicitTracer) else 1))
-                break
-            if type(x) in _SCALARS and not isinstance(b, Tracer) and b == x:
-                sources.append((j, 2))
-                break
-        else:
-            return None  # a constant of JAX's own: not an operand
-    if not any(j == 0 for j, _ in sources):
-        return None
-    return tuple(sources)
-
-
 class EagerTracer(ImplicitTracer):
-    """An `ImplicitTracer` of an `EagerTrace`: its operators bind remembered `jit`s."""
+    """An `ImplicitTracer` of an `EagerTrace`: its operators run through lanes."""
 
     __slots__ = ()
 
@@ -164,11 +304,6 @@ class EagerTrace(ImplicitTrace):
 
     eager = True
 
-    def __init__(self, parent_trace: Trace, tag: TraceTag):
-        super().__init__(parent_trace, tag)
-        # While an operator is looked at: the binds it makes (see `run_operator`).
-        self.recording: list | None = None
-
     def wrap(self, x: Any) -> Any:
         return EagerTracer(self, x) if isinstance(x, ImplicitBase) else x
 
@@ -180,78 +315,144 @@ class EagerTrace(ImplicitTrace):
         return bind_canonical(self.parent_trace, primitive, vals, params)
 
     def process_primitive(self, primitive, tracers, params):
-        if self.recording is None:
-            return super().process_primitive(primitive, tracers, params)
-        recording, self.recording = self.recording, None
+        if primitive not in primitive_rules:  # (structural rules have their own paths)
+            for t in tracers:
+                if isinstance(t, (ImplicitTracer, ImplicitBase)):
+                    found = self._lane_primitive(primitive, tracers, params)
+                    if type(found) is _Seen:
+                        with recording(found.events):
+                            out = super().process_primitive(primitive, tracers, params)
+                        found.noted(out if primitive.multiple_results else [out])
+                        return out
+                    if found is not _NO_LANE:
+                        return found
+                    break
+        return super().process_primitive(primitive, tracers, params)
+
+    def _lane_primitive(self, primitive, tracers, params):
+        """`primitive` on `tracers` through the lane of its signature, if any."""
+        vals, operands = [], []
+        for t in tracers:
+            if isinstance(t, ImplicitTracer):
+                if t.owner.tag is not self.tag:
+                    return _NO_LANE
+                found = (
+                    (t.signature, t.leaves)
+                    if type(t) is LaneTracer
+                    else operand(t.value)
+                )
+            else:
+                found = operand(t)
+            if found is None:
+                return _NO_LANE
+            vals.append(t)
+            operands.append(found)
         try:
-            out = super().process_primitive(primitive, tracers, params)
-        finally:
-            self.recording = recording
-        recording.append((primitive, tracers, params, out))
-        return out
+            head = (primitive, tuple(params.items()))
+            hash(head)
+        except TypeError:
+            return _NO_LANE
 
-    # A call, custom derivative or `shard_map` is never an operator's only bind.
+        def run(sub, vals):
+            out = apply_primitive(sub, primitive, vals, params)
+            return out if primitive.multiple_results else [out]
 
-    def process_call(self, *args, **kwargs):
-        self._not_an_operator()
-        return super().process_call(*args, **kwargs)
+        found = run_lane(self, head, operands, vals, run)
+        if found is _NO_LANE or type(found) is _Seen:
+            return found
+        outs = self._wrap_lane(*found)
+        return outs if primitive.multiple_results else outs[0]
 
-    def process_custom_jvp_call(self, *args, **kwargs):
-        self._not_an_operator()
-        return super().process_custom_jvp_call(*args, **kwargs)
-
-    def process_custom_vjp_call(self, *args, **kwargs):
-        self._not_an_operator()
-        return super().process_custom_vjp_call(*args, **kwargs)
-
-    def process_shard_map(self, *args, **kwargs):
-        self._not_an_operator()
-        return super().process_shard_map(*args, **kwargs)
-
-    def _not_an_operator(self) -> None:
-        if self.recording is not None:
-            self.recording.append(None)
+    def _wrap_lane(self, outputs: list, outs: list) -> list:
+        """The results of a lane run as values of this trace, from its flat `outs`."""
+        results, start = [], 0
+        for tree, n, signature, aval in outputs:
+            if tree is None:
+                results.append(outs[start])
+            else:
+                part = outs[start : start + n]
+                if signature is not None:
+                    results.append(LaneTracer(self, tree, part, aval, signature))
+                else:
+                    value = tree.unflatten(part)
+                    results.append(
+                        value if aval is None else EagerTracer(self, value, aval)
+                    )
+            start += n
+        return results
 
     def run_operator(
         self, name: str, jax_method: Callable, tracer: Any, args: tuple
     ) -> Any:
-        """`jax_method(tracer, *args)`, binding the `jit` remembered for it if any."""
-        key = [name, jit_context(), tracer.aval]
-        for x in args:
-            k = _operand_key(x, self)
-            if k is None:
+        """`jax_method(tracer, *args)`, through the lane of its signature if any.
+
+        Operands other than this trace's tracers, arrays of rank > 0 and Python scalars
+        (whose values are baked into the lane: ``x ** 2`` is an `integer_pow`) take
+        JAX's own path.
+        """
+        vals, operands, pattern = [], [], []
+        for x in (tracer, *args):
+            if isinstance(x, ImplicitTracer):
+                if x.owner is not self:
+                    return jax_method(tracer, *args)
+                if type(x) is LaneTracer:
+                    found = x.signature, x.leaves
+                else:
+                    found = operand(x.value)
+                    if found is None:
+                        return jax_method(tracer, *args)
+                vals.append(x)
+                operands.append(found)
+                pattern.append(None)
+            elif type(x) is ArrayImpl and x.ndim:
+                vals.append(x)
+                operands.append(operand(x))
+                pattern.append(None)
+            elif type(x) in _SCALARS:
+                pattern.append((type(x), repr(x)))  # repr: tells 0.0 from -0.0
+            else:
                 return jax_method(tracer, *args)
-            key.append(k)
-        key = tuple(key)
-        found = _operator_binds.get(key)
-        operands = (tracer, *args)
-        if found is not None:
-            params, sources = found
-            vals = [
-                operands[j].value
-                if kind == 0
-                else operands[j]
-                if kind == 1
-                else canonicalize_value(operands[j])
-                for j, kind in sources
+
+        def run(sub, vals):
+            it = iter(vals)
+            ins = [
+                sub.wrap(next(it)) if p is None else x
+                for x, p in zip((tracer, *args), pattern)
             ]
-            with set_current_trace(self.parent_trace):  # as `bind` does
-                out = apply_primitive(self, _JIT, vals, params)
-            return self.wrap(out[0])
-        recording = self.recording = []
-        try:
-            result = jax_method(tracer, *args)
-        finally:
-            self.recording = None
-        if len(recording) == 1 and recording[0] is not None:
-            primitive, bound, params, outs = recording[0]
-            if primitive is _JIT and len(outs) == 1 and outs[0] is result:
-                sources = _operand_sources(bound, operands)
-                if sources is not None:
-                    if len(_operator_binds) >= _OPERATOR_CACHE_LIMIT:
-                        _operator_binds.clear()
-                    _operator_binds[key] = (params, sources)
-        return result
+            return [jax_method(*ins)]
+
+        with set_current_trace(self.parent_trace):  # (jax.jit's C++ path needs it)
+            found = run_lane(self, (name, *pattern), operands, vals, run)
+        if type(found) is _Seen:
+            with recording(found.events):
+                out = jax_method(tracer, *args)
+            found.noted([out])
+            return out
+        if found is _NO_LANE:
+            return jax_method(tracer, *args)
+        return self._wrap_lane(*found)[0]
+
+
+class LaneTracer(EagerTracer):
+    """An `EagerTracer` made by a lane. It keeps its value's leaves and signature, for
+    the next lane, and builds the value itself only when something else asks for it."""
+
+    __slots__ = ("tree", "leaves", "signature", "_value")
+
+    def __init__(self, trace, tree, leaves, aval, signature):
+        init_tracer(self, trace, aval)
+        self.owner = trace
+        self.tree = tree
+        self.leaves = leaves
+        self.signature = signature
+        self._value = None
+
+    @property
+    def value(self):
+        value = self._value
+        if value is None:
+            value = self._value = self.tree.unflatten(self.leaves)
+        return value
 
 
 # ----------------------------------------------------------------------------------------
@@ -277,6 +478,27 @@ _eager_jits: dict[int, tuple] = {}
 def compile_jaxpr(closed: Any, keep_unused: bool = False) -> Callable:
     """`closed` as a `jax.jit`-compiled function of its inputs (returns a list)."""
     return jax.jit(jaxpr_as_fun(closed), keep_unused=keep_unused)
+
+
+def forwarding(closed: ClosedJaxpr) -> Callable | None:
+    """For a body without equations, the function that picks its outputs, else None.
+
+    Such a body (``zeros * x`` returning a new symbolic zero, ``zeros + x`` returning
+    ``x``) only forwards inputs and constants: running it through XLA would cost a
+    dispatch for nothing.
+    """
+    jaxpr = closed.jaxpr
+    if jaxpr.eqns or jaxpr.effects:
+        return None
+    sources = []
+    for v in jaxpr.outvars:
+        if v in jaxpr.invars:
+            sources.append((True, jaxpr.invars.index(v)))
+        elif v in jaxpr.constvars:
+            sources.append((False, closed.consts[jaxpr.constvars.index(v)]))
+        else:  # a literal
+            return None
+    return lambda *leaves: [leaves[x] if is_input else x for is_input, x in sources]
 
 
 def eager_jit(params: dict) -> Callable | None:

@@ -63,8 +63,8 @@ class ImplicitTracer(Tracer):
 
     __slots__ = ("value", "owner")
 
-    def __init__(self, trace: ImplicitTrace, value: ImplicitBase):
-        init_tracer(self, trace, value.aval)
+    def __init__(self, trace: ImplicitTrace, value: ImplicitBase, aval: Any = None):
+        init_tracer(self, trace, value.aval if aval is None else aval)
         self.owner = trace  # (JAX's own reference to it is private)
         self.value = value
 

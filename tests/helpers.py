@@ -605,3 +605,33 @@ def state_size(opt_state):
 def sizes(params, fields):
     """The number of elements of `fields` of the `lora_problem` weights."""
     return sum(getattr(params[k], f).size for k in ("l1", "l2") for f in fields)
+
+
+# ----------------------------------------------------------------------------------------
+# The eager lanes' types (tests/test_eager.py)
+
+
+class Doubled(qax.ImplicitArray):
+    """``2 * x``, never formed; ``lax.mul`` by an array gives a new `Doubled`."""
+
+    x: qax.ArrayValue
+
+    def materialize(self):
+        return 2 * self.x
+
+
+@qax.primitive_handler("mul")
+def _doubled_mul(primitive, a: Doubled, b: jax.Array):
+    return type(a)(jax.lax.mul(a.x, b))
+
+
+class PeekingDoubled(Doubled):
+    """`Doubled` whose ``mul`` handler reads its other operand's values: it stays
+    implicit only for non-negative operands, and cannot be traced."""
+
+
+@qax.primitive_handler("mul")
+def _peeking_mul(primitive, a: PeekingDoubled, b: jax.Array):
+    if not bool(jnp.all(b >= 0)):  # a concrete value (fails on a tracer)
+        return NotImplemented
+    return PeekingDoubled(jax.lax.mul(a.x, b))

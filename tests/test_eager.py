@@ -22,7 +22,15 @@ import pytest
 import qax
 from qax import _eager
 from qax.symbols import SymbolicConstant
-from tests.helpers import Zeros, assert_close, make_lora
+from tests.helpers import (
+    ClosedZeros,
+    Doubled,
+    PeekingDoubled,
+    Scaled,
+    Zeros,
+    assert_close,
+    make_lora,
+)
 
 X = jnp.arange(12.0).reshape(3, 4) - 5.0
 
@@ -38,11 +46,19 @@ BINARY = {
 }
 
 
-def _twice(f, *args):
-    """`f(*args)` twice: the first call fills the caches, the second uses them."""
-    first = f(*args)
-    second = f(*args)
-    return first, second
+def _thrice(f, *args):
+    """`f(*args)` three times: the first call takes the ordinary paths, the second
+    compiles the lanes of what it saw twice, the third runs them."""
+    return [f(*args) for _ in range(3)]
+
+
+def _lanes(head) -> list:
+    """The compiled lanes whose operation is `head` (a primitive or an operator name)."""
+    return [
+        lane
+        for key, lane in _eager._lanes.items()
+        if key[0][0] == head and isinstance(lane, _eager._Lane)
+    ]
 
 
 @pytest.mark.parametrize("name", list(BINARY), ids=list(BINARY))
@@ -56,10 +72,10 @@ def test_operators_match_dense(name, side):
     else:
         f = qax.use_implicit_args(lambda c, x: op(x, c))
         expected = op(X, jnp.full((3, 4), 2.0))
-    for got in _twice(f, c, X):
+    for got in _thrice(f, c, X):
         assert_close(qax.materialize_nested(got, full=True), expected)
-    if side == "implicit_left":  # the second call took the remembered `jit`
-        assert any(key[0] == name for key in _eager._operator_binds)
+    if side == "implicit_left":  # (`jax.Array`'s operator runs first on the right)
+        assert _lanes(name), "the third call ran a compiled lane"
 
 
 @pytest.mark.parametrize("name", ["neg", "abs", "pos"])
@@ -67,7 +83,7 @@ def test_unary_operators_match_dense(name):
     op = getattr(operator, name)
     c = SymbolicConstant(-3.0, shape=(2,), dtype=jnp.float32)
     f = qax.use_implicit_args(op)
-    for got in _twice(f, c):
+    for got in _thrice(f, c):
         assert isinstance(got, SymbolicConstant)
         assert_close(got.materialize(), op(jnp.full((2,), -3.0)))
 
@@ -102,7 +118,7 @@ def test_operator_follows_jax_configuration():
     z = Zeros(shape=(3, 4))
     row = jnp.ones((4,))
     f = qax.use_implicit_args(lambda z, r: z * r)
-    _twice(f, z, row)
+    _thrice(f, z, row)
     with jax.numpy_rank_promotion("raise"):
         with pytest.raises(ValueError, match="rank_promotion"):
             f(z, row)
@@ -121,7 +137,7 @@ def test_operator_sees_new_handlers():
     f = qax.use_implicit_args(lambda t, x: t * x)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", qax.MaterializationWarning)
-        for got in _twice(f, t, X):
+        for got in _thrice(f, t, X):
             assert_close(got, X)
 
     @qax.primitive_handler("mul")
@@ -152,7 +168,7 @@ def test_operator_on_implicit_array_outside_use_implicit_args():
 def test_forwarding_body_returns_the_operand():
     """`zeros + x` compiles to a body without equations: no XLA call, same values."""
     f = qax.use_implicit_args(lambda z, x: jnp.add(z, x))
-    for got in _twice(f, Zeros(shape=(3, 4)), X):
+    for got in _thrice(f, Zeros(shape=(3, 4)), X):
         assert_close(got, X)
 
 
@@ -196,10 +212,10 @@ def test_eager_caches_do_not_grow_over_calls():
     z = Zeros(shape=(3,))
     for _ in range(3):
         f_implicit(lora, x, z)
-    sizes = (len(_eager._eager_jits), len(_eager._operator_binds))
+    sizes = (len(_eager._eager_jits), len(_eager._lanes))
     for _ in range(20):
         f_implicit(lora, x, z)
-    assert (len(_eager._eager_jits), len(_eager._operator_binds)) == sizes
+    assert (len(_eager._eager_jits), len(_eager._lanes)) == sizes
 
 
 def test_effects_inside_jits_run_on_every_call(capsys):
@@ -466,7 +482,7 @@ got = qax.use_implicit_args(f)(lora, x)
 want = f(lora.materialize(), x)
 np.testing.assert_allclose(got, want, rtol=1e-5)
 assert seen[0] == "ImplicitTrace", seen
-assert not _eager._eager_jits and not _eager._operator_binds
+assert not _eager._eager_jits and not _eager._lanes
 print("ok")
 """
 
@@ -487,3 +503,121 @@ def test_the_fast_paths_switch_off():
         cwd=root,
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------------------
+# Lanes: an operation seen a second time with the same signature is traced and compiled
+
+
+def _states(head) -> list:
+    """What the lane table holds for the operation `head`."""
+    return [lane for key, lane in _eager._lanes.items() if key[0][0] == head]
+
+
+def test_primitive_lane_matches_dense_and_stays_implicit():
+    f = qax.use_implicit_args(lambda d, x: jax.lax.mul(jax.lax.mul(d, x), x))
+    for got in _thrice(f, Doubled(X), X):
+        assert isinstance(got, Doubled)
+        assert_close(got.materialize(), 2 * X * X * X)
+    assert _lanes(jax.lax.mul_p)
+
+
+def test_lane_results_feed_the_next_lane_and_everything_else():
+    """A lane's result goes to the next lane as leaves; a `jnp` function, a primitive
+    that materializes and the function's output see the value it stands for."""
+
+    def f(d, x):
+        y = (d * x) * x
+        return y, jnp.multiply(d * x, x), jax.lax.mul(y, x), -y
+
+    f_implicit = qax.use_implicit_args(f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qax.MaterializationWarning)  # (-y)
+        results = _thrice(f_implicit, Doubled(X), X)
+    for got, product, z, neg in results:
+        assert isinstance(got, Doubled) and isinstance(z, Doubled)
+        assert isinstance(product, Doubled)
+        assert_close(got.materialize(), 2 * X**3)
+        assert_close(product.materialize(), 2 * X**3)
+        assert_close(z.materialize(), 2 * X**4)
+        assert_close(neg, -2 * X**3)
+
+
+def test_handler_that_reads_values_keeps_the_ordinary_path():
+    """A handler that reads concrete values cannot be traced: no lane, and every call
+    answers for its own values (implicit for non-negative ones, else materialized)."""
+    f = qax.use_implicit_args(lambda d, x: jax.lax.mul(d, x))
+    d = PeekingDoubled(X)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qax.MaterializationWarning)
+        for x in (jnp.abs(X), X, jnp.abs(X), X, jnp.abs(X)):
+            got = f(d, x)
+            assert isinstance(got, PeekingDoubled) == bool(jnp.all(x >= 0))
+            assert_close(qax.materialize_nested(got, full=True), 2 * X * x)
+    assert _eager._NO_LANE in _states(jax.lax.mul_p)
+
+
+def test_lane_refused_where_tracing_changes_what_handlers_do():
+    """`max(zeros, c)` stays symbolic for a known `c <= 0`; traced, the handler cannot
+    see `c` and would materialize. Such a lane is refused: no warning on any call."""
+    z = ClosedZeros(shape=(3, 4))
+    f = qax.use_implicit_args(lambda z, c: jax.lax.max(z, c))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", qax.MaterializationWarning)
+        for got in _thrice(f, z, jnp.full((3, 4), -1.0)):
+            assert isinstance(got, ClosedZeros)
+    assert not _lanes(jax.lax.max_p)
+
+
+def test_lane_reports_its_materializations_on_every_call():
+    lora = make_lora(jax.random.PRNGKey(4))
+    f = qax.use_implicit_args(jax.lax.sin)
+    for _ in range(4):
+        with qax.materialization_audit() as audit:
+            with pytest.warns(qax.MaterializationWarning):
+                got = f(lora)
+        assert len(audit.records) == 1
+        assert_close(got, jnp.sin(lora.materialize()))
+    assert _lanes(jax.lax.sin_p)
+    with qax.materialization_policy(type(lora), "error"):
+        with pytest.raises(qax.MaterializationError):
+            f(lora)
+
+
+def test_python_scalar_leaves_are_traced_not_baked():
+    """A Python float inside an implicit operand is a leaf: calls with other values
+    share the lane and still get their own answers."""
+    f = qax.use_implicit_args(lambda s, x: jax.lax.mul(s, x))
+    x = jnp.float32(4.0)
+    for scale in (1.5, 2.5, -0.5, 3.0):
+        got = f(Scaled(jnp.float32(2.0), scale), x)
+        assert isinstance(got, Scaled)
+        assert_close(got.materialize(), 2.0 * scale * 4.0)
+
+
+def test_primitive_lane_sees_new_handlers():
+    class Halved(Doubled):
+        def materialize(self):
+            return self.x / 2
+
+    f = qax.use_implicit_args(lambda h, x: jax.lax.mul(h, x))
+    for got in _thrice(f, Halved(X), X):  # the `Doubled` handler: a new `Halved`
+        assert_close(got.materialize(), X * X / 2)
+
+    @qax.primitive_handler("mul")
+    def halved_mul(primitive, a: Halved, b: jax.Array):
+        return jax.lax.mul(a.x, b) / 2
+
+    got = f(Halved(X), X)
+    assert not isinstance(got, Halved)
+    assert_close(got, X * X / 2)
+
+
+def test_no_lanes_without_jit():
+    f = qax.use_implicit_args(lambda d, x: jax.lax.mul(d * x, x))
+    with jax.disable_jit():
+        for got in _thrice(f, Doubled(X), X):
+            assert_close(got.materialize(), 2 * X**3)
+    for got in _thrice(f, Doubled(X), X):  # and lanes afterwards
+        assert_close(got.materialize(), 2 * X**3)
+    assert _lanes(jax.lax.mul_p)

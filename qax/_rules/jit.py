@@ -19,7 +19,6 @@ from .._base import ImplicitBase
 from .._compat import (
     UNSPECIFIED,
     ArrayImpl,
-    ClosedJaxpr,
     Tracer,
     bind_with_trace,
     canonicalize_value,
@@ -31,7 +30,7 @@ from .._compat import (
     typeof,
     weakly_typed,
 )
-from .._eager import compile_jaxpr
+from .._eager import compile_jaxpr, forwarding
 from .._interpreter import ImplicitTrace
 from .._report import replay
 from . import _staging
@@ -129,7 +128,7 @@ class _JitEntry:
         """Run the body eagerly on the flat `leaves`."""
         if self._compiled is None:
             closed = self.traced.jaxpr
-            run = _forwarding(closed) or compile_jaxpr(closed)
+            run = forwarding(closed) or compile_jaxpr(closed)
             weak = [a.weak_type for a in closed.in_avals]
             if any(weak):  # the body was traced with weaker inputs than given
 
@@ -138,27 +137,6 @@ class _JitEntry:
 
             self._compiled = run
         return self._compiled(*leaves)
-
-
-def _forwarding(closed: ClosedJaxpr) -> Callable | None:
-    """For a body without equations, the function that picks its outputs, else None.
-
-    Such a body (``zeros * x`` returning a new symbolic zero, ``zeros + x`` returning
-    ``x``) only forwards inputs and constants: running it through XLA would cost a
-    dispatch for nothing.
-    """
-    jaxpr = closed.jaxpr
-    if jaxpr.eqns or jaxpr.effects:
-        return None
-    sources = []
-    for v in jaxpr.outvars:
-        if v in jaxpr.invars:
-            sources.append((True, jaxpr.invars.index(v)))
-        elif v in jaxpr.constvars:
-            sources.append((False, closed.consts[jaxpr.constvars.index(v)]))
-        else:  # a literal
-            return None
-    return lambda *leaves: [leaves[x] if is_input else x for is_input, x in sources]
 
 
 def _weaken(x: Any, weak: bool) -> Any:
