@@ -51,7 +51,7 @@ from ._compat import (
 )
 from ._dispatch import generation, primitive_rules
 from ._interpreter import ImplicitTag, ImplicitTrace, ImplicitTracer, apply_primitive
-from ._report import holding_reports, recording, replay, source_line
+from ._report import holding_reports, recording, replay
 
 ENABLED = os.environ.get("QAX_EAGER_FAST_PATHS", "1") != "0"
 
@@ -118,8 +118,7 @@ class _Lane:
     def run(self, leaves: list) -> tuple[list, list]:
         """(`outputs`, flat results) of the program on `leaves`."""
         if self.events:
-            here = source_line()
-            replay([dataclasses.replace(e, source=here) for e in self.events])
+            replay(self.events)
         outs = self.compiled(*leaves)
         if self.outputs is None:
             self.outputs = _outputs(self.trees, outs)
