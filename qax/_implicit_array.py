@@ -398,9 +398,10 @@ class ImplicitArray(ImplicitBase):
         field, in declaration order; `aux_data` is the static part (aux fields, shape,
         dtype). ``type(x).tree_unflatten(aux_data, values)`` rebuilds `x`.
 
-        >>> children, aux = lora.tree_flatten_with_keys()
-        >>> [key.name for key, _ in children]
-        ['w', 'a', 'b']
+        Examples:
+            >>> children, aux = lora.tree_flatten_with_keys()
+            >>> [key.name for key, _ in children]
+            ['w', 'a', 'b']
         """
         return type(self)._qax_pytree[1](self)
 

@@ -136,7 +136,8 @@ def key_value(key: Any) -> Any:
 def path_string(path: Sequence[Any]) -> str:
     """``"layers/0/attn/kernel"``: the entries of a pytree key path joined by ``/``.
 
-    >>> qax.utils.path_string(jax.tree_util.tree_flatten_with_path({"a": [1]})[0][0][0])
-    'a/0'
+    Examples:
+        >>> qax.utils.path_string(jax.tree_util.tree_flatten_with_path({"a": [1]})[0][0][0])
+        'a/0'
     """
     return "/".join(str(key_value(k)) for k in path)

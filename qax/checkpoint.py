@@ -47,14 +47,16 @@ def _describe_one(x: Any) -> dict:
 def describe(tree: Any) -> dict:
     """A JSON description of the implicit arrays in `tree`, for `rebuild`.
 
-    >>> qax.checkpoint.describe({"z": SymbolicConstant(0.0, shape=(2,))})["implicit"][0]["path"]
-    ['z']
-
     Args:
       tree: the pytree to be saved (parameters, optimizer state, ...).
 
     Returns:
       A dict of JSON types: for each implicit array, its path, class and metadata.
+
+    Examples:
+        >>> tree = {"z": SymbolicConstant(0.0, shape=(2,))}
+        >>> qax.checkpoint.describe(tree)["implicit"][0]["path"]
+        ['z']
 
     Raises:
       TypeError: an implicit array's static metadata cannot be encoded (see

@@ -115,11 +115,9 @@ class Optimizer(nnx.Optimizer):
     >>> grads = nnx.grad(loss)(model)  # loss calls the model via qax.use_implicit_args
     >>> opt.update(model, grads)
 
-    Args:
-      model: the NNX module.
-      tx: the optax transformation, e.g. ``qax.freeze_keys(optax.adam(1e-3),
-        LoraWeight, ["w"])`` to train the LoRA factors only.
-      wrt: the filter of the `Variable`s to optimize (as for `nnx.Optimizer`).
+    It takes `nnx.Optimizer`'s arguments: ``model``, the NNX module; ``tx``, the optax
+    transformation, e.g. ``qax.freeze_keys(optax.adam(1e-3), LoraWeight, ["w"])`` to
+    train the LoRA factors only; ``wrt``, the filter of the `Variable`s to optimize.
     """
 
     def update(self, model: Any, grads: Any, /, **kwargs: Any) -> Any:

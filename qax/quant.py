@@ -181,7 +181,7 @@ class Int8Weight(QuantizedWeight):
     >>> q.q.dtype, q.scale.shape
     (dtype('int8'), (1, 3))
 
-    Args:
+    Attributes:
       q: the int8 codes, in ``[-127, 127]``.
       scale: the per-channel scales (the dtype the weight decodes to).
     """
@@ -247,7 +247,7 @@ class Int4Weight(_PackedFourBits):
     >>> q.packed.shape, q.scale.shape
     ((4, 32), (4, 2))
 
-    Args:
+    Attributes:
       packed: ``uint8`` of shape ``(*lead, n // 2)``: codes ``0..15`` (value + 8), the
         even element in the low nibble.
       scale: ``(*lead, n // group_size)`` floating-point scales.
@@ -287,7 +287,7 @@ class NF4Weight(_PackedFourBits):
     >>> q.packed.dtype, q.packed.shape, q.absmax.shape
     (dtype('uint8'), (8, 64), (8, 2))
 
-    Args:
+    Attributes:
       packed: ``uint8`` of shape ``(*lead, n // 2)``: indices into `NF4_LEVELS`, the
         even element in the low nibble.
       absmax: ``(*lead, n // block_size)`` floating-point block scales.

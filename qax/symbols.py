@@ -94,7 +94,7 @@ class SymbolicConstant(qax.ImplicitArray):
     >>> qax.use_implicit_args(lambda c: (c * c).sum())(c)
     SymbolicConstant(value=24.0, shape=(), dtype=float32)
 
-    Args:
+    Attributes:
       value: the fill value: a Python, NumPy or concrete 0-d JAX scalar.
       shape: the array shape (default ``()``).
       dtype: the array dtype (default: that of `value`, as JAX would infer it).

@@ -94,8 +94,9 @@ def check_handler(
       primitive: a primitive name (e.g. ``"mul"``) or a JAX `Primitive` object.
       *example_args: the operands, implicit arrays or plain arrays, as the primitive
         takes them.
-      rtol, atol: tolerances for floating-point results (default: by dtype, 1e-4 /
-        1e-5 for float32); the names are therefore not available as params.
+      rtol: relative tolerance for floating-point results (default: by dtype, 1e-4
+        for float32); the name is therefore not available as a param.
+      atol: absolute tolerance (default: by dtype, 1e-5 for float32); likewise.
       **params: the primitive's parameters, all of them, as a handler receives them.
 
     Returns:

@@ -55,7 +55,7 @@ class LoraWeight(qax.ImplicitArray):
     >>> qax.use_implicit_args(lambda x, w: x @ w)(jnp.ones((5, 4)), lora).shape
     (5, 3)
 
-    Args:
+    Attributes:
       w: the base weight (frozen).
       a: the first factor, ``(*A, rank)``.
       b: the second factor, ``(rank, *B)``; zero at initialisation in `loraify`.
