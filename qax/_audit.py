@@ -122,9 +122,10 @@ class materialization_policy:  # lower case: it is used like a function
     beats one for its base classes; then the class keyword ``warn_on_materialize``
     (``False`` means "allow"). So an explicit policy always beats the class keyword.
 
-    >>> qax.materialization_policy(LoraMatrix, "error")   # never form W + A @ B.T
-    >>> with qax.materialization_policy("transpose", "allow"):
-    ...     y = f(x, lora)   # a transpose may materialize here, silently
+    Examples:
+        >>> qax.materialization_policy(LoraMatrix, "error")   # never form W + A @ B.T
+        >>> with qax.materialization_policy("transpose", "allow"):
+        ...     y = f(x, lora)   # a transpose may materialize here, silently
 
     Args:
       target: an implicit array class (its subclasses included), a primitive name such
@@ -345,10 +346,11 @@ def materialization_audit() -> MaterializationAudit:
     runs no Python and reports nothing (bodies of ``jit`` calls inside
     `qax.use_implicit_args`, which qax caches itself, are reported again on reuse).
 
-    >>> with qax.materialization_audit() as audit:
-    ...     y = qax.use_implicit_args(model)(x, lora)
-    >>> print(audit)          # a table; `audit.records` holds the data
-    >>> assert not audit      # nothing was materialized
+    Examples:
+        >>> with qax.materialization_audit() as audit:
+        ...     y = qax.use_implicit_args(model)(x, lora)
+        >>> print(audit)          # a table; `audit.records` holds the data
+        >>> assert not audit      # nothing was materialized
 
     Returns:
       A `MaterializationAudit`, filled while the ``with`` block runs.

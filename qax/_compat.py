@@ -86,8 +86,9 @@ def eval_context():
     current (also inside a handler traced under `jax.jit`): for handlers that fold
     constants known at trace time (`qax.symbols`).
 
-    >>> with qax.utils.eval_context():
-    ...     folded = lax.add(np.float32(1), np.float32(2))  # a concrete array
+    Examples:
+        >>> with qax.utils.eval_context():
+        ...     folded = lax.add(np.float32(1), np.float32(2))  # a concrete array
     """
     return _core.eval_context()
 

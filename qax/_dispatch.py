@@ -112,9 +112,10 @@ def primitive_handler(
     arguments, via plum). Operands that are not implicit arrays dispatch as `jax.Array`.
     Return `NotImplemented` to fall back to the default rule.
 
-    >>> @qax.primitive_handler("mul")
-    ... def mul(primitive, a: Zeros, b: jax.Array):
-    ...     return Zeros(shape=jnp.broadcast_shapes(a.shape, b.shape), dtype=a.dtype)
+    Examples:
+        >>> @qax.primitive_handler("mul")
+        ... def mul(primitive, a: Zeros, b: jax.Array):
+        ...     return Zeros(shape=jnp.broadcast_shapes(a.shape, b.shape), dtype=a.dtype)
 
     Args:
       primitives: a primitive name (looked up as ``jax.lax.<name>_p``, then

@@ -103,10 +103,11 @@ def use_implicit_args(f: Callable) -> Callable:
     returned. It composes with `jax.jit`, `jax.grad`, `jax.vmap` and friends on either
     side.
 
-    >>> @qax.use_implicit_args
-    ... def f(w, x):
-    ...     return x @ w
-    >>> f(LoraMatrix(w, a, b), x)  # never forms w + a @ b.T
+    Examples:
+        >>> @qax.use_implicit_args
+        ... def f(w, x):
+        ...     return x @ w
+        >>> f(LoraMatrix(w, a, b), x)  # never forms w + a @ b.T
 
     Args:
       f: any function of JAX arrays.

@@ -146,8 +146,9 @@ def explain(primitive: str | Primitive, *operand_types: Any) -> Explanation:
     if no handler applies: a structural rule, the class's `default_handler`, or
     materialization, with the materialization policy that applies now.
 
-    >>> print(qax.explain("dot_general", jax.Array, LoraMatrix))
-    qax.explain('dot_general', Array, LoraMatrix)
+    Examples:
+        >>> print(qax.explain("dot_general", jax.Array, LoraMatrix))
+        qax.explain('dot_general', Array, LoraMatrix)
       Handlers registered for dot_general:
         [chosen] lora_matmul (Array, LoraMatrix) precedence=0  lora.py:12
                  the only handler that accepts these types

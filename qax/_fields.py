@@ -37,10 +37,11 @@ def aux_field(metadata: dict | None = None, **kwargs: Any) -> Any:
     Values must be hashable; they become part of the treedef, so `jax.jit` treats them
     as static and `jax.grad`/`jax.vmap` leave them alone.
 
-    >>> @dataclass
-    ... class Scaled(qax.ImplicitArray):
-    ...     x: qax.ArrayValue
-    ...     scale: float = qax.aux_field(default=2.0)
+    Examples:
+        >>> @dataclass
+        ... class Scaled(qax.ImplicitArray):
+        ...     x: qax.ArrayValue
+        ...     scale: float = qax.aux_field(default=2.0)
     """
     metadata = dict(metadata) if metadata else {}
     metadata[AUX] = True
@@ -61,30 +62,32 @@ def array_field(
     leaf beyond `ndim` are batch dimensions, shared by all fields of the value, and
     `materialize()` of a batched value runs once per batch element (vmapped).
 
-    >>> @dataclass
-    ... class LoraMatrix(qax.ImplicitArray):
-    ...     w: qax.ArrayValue = qax.array_field(ndim=2)
-    ...     a: qax.ArrayValue = qax.array_field(ndim=2)
-    ...     b: qax.ArrayValue = qax.array_field(ndim=2)
-    ...
-    ...     def materialize(self):
-    ...         return self.w + self.a @ self.b.T
-    >>> stacked = LoraMatrix(jnp.ones((4, 6, 5)), jnp.ones((4, 6, 2)), jnp.ones((4, 5, 2)))
-    >>> stacked.shape
-    (4, 6, 5)
+    Examples:
+        >>> @dataclass
+        ... class LoraMatrix(qax.ImplicitArray):
+        ...     w: qax.ArrayValue = qax.array_field(ndim=2)
+        ...     a: qax.ArrayValue = qax.array_field(ndim=2)
+        ...     b: qax.ArrayValue = qax.array_field(ndim=2)
+        ...
+        ...     def materialize(self):
+        ...         return self.w + self.a @ self.b.T
+        >>> stacked = LoraMatrix(jnp.ones((4, 6, 5)), jnp.ones((4, 6, 2)), jnp.ones((4, 5, 2)))
+        >>> stacked.shape
+        (4, 6, 5)
 
     When the rank differs between instances (a weight type used for matrices and for
     conv kernels), `ndim` names an `aux_field` that holds it. If that field is `None`
     when an instance is constructed, the instance is unbatched: the field is set to the
     rank of this field's value.
 
-    >>> @dataclass
-    ... class Scaled(qax.ImplicitArray):
-    ...     x: qax.ArrayValue = qax.array_field(ndim="x_ndim")
-    ...     s: qax.ArrayValue = qax.array_field(ndim=0)
-    ...     x_ndim: int | None = qax.aux_field(default=None)
-    >>> Scaled(jnp.ones((3, 3, 3)), jnp.ones(())).x_ndim
-    3
+    Examples:
+        >>> @dataclass
+        ... class Scaled(qax.ImplicitArray):
+        ...     x: qax.ArrayValue = qax.array_field(ndim="x_ndim")
+        ...     s: qax.ArrayValue = qax.array_field(ndim=0)
+        ...     x_ndim: int | None = qax.aux_field(default=None)
+        >>> Scaled(jnp.ones((3, 3, 3)), jnp.ones(())).x_ndim
+        3
 
     Args:
       ndim: the number of dimensions of this field in one unbatched array (for a field
@@ -192,9 +195,10 @@ def batch_ndim(x: Any) -> int | None:
     None if its leaves no longer fit its type's declaration (sliced through an unbatched
     dimension outside `use_implicit_args`).
 
-    >>> stacked = LoraMatrix(jnp.ones((4, 6, 5)), jnp.ones((4, 6, 2)), jnp.ones((4, 5, 2)))
-    >>> qax.utils.batch_ndim(stacked)
-    1
+    Examples:
+        >>> stacked = LoraMatrix(jnp.ones((4, 6, 5)), jnp.ones((4, 6, 2)), jnp.ones((4, 5, 2)))
+        >>> qax.utils.batch_ndim(stacked)
+        1
     """
     if not isinstance(x, ImplicitBase):
         return 0

@@ -165,12 +165,13 @@ class ImplicitArray(ImplicitBase):
     primitives to put this type first), ``warn_on_materialize=False`` (materialize
     silently when no handler applies).
 
-    >>> class Zeros(qax.ImplicitArray):
-    ...     default_dtype = jnp.float32
-    ...     def materialize(self):
-    ...         return jnp.zeros(self.shape, self.dtype)
-    >>> Zeros(shape=(2, 3))
-    Zeros(shape=(2, 3), dtype=float32)
+    Examples:
+        >>> class Zeros(qax.ImplicitArray):
+        ...     default_dtype = jnp.float32
+        ...     def materialize(self):
+        ...         return jnp.zeros(self.shape, self.dtype)
+        >>> Zeros(shape=(2, 3))
+        Zeros(shape=(2, 3), dtype=float32)
     """
 
     shape: Any = aux_field(kw_only=True, default=None)
@@ -410,8 +411,9 @@ class ImplicitArray(ImplicitBase):
         """Rebuild an instance from `tree_flatten_with_keys`'s ``aux_data`` and the
         values of its children (without their keys), as in the original Qax.
 
-        >>> children, aux = lora.tree_flatten_with_keys()
-        >>> LoraMatrix.tree_unflatten(aux, [w, a2, b2])  # same base, new factors
+        Examples:
+            >>> children, aux = lora.tree_flatten_with_keys()
+            >>> LoraMatrix.tree_unflatten(aux, [w, a2, b2])  # same base, new factors
         """
         return cls._qax_pytree[2](aux_data, list(children))
 

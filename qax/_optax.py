@@ -40,9 +40,10 @@ def set_to_zero_scalar() -> optax.GradientTransformation:
     dtype instead of a full-size array, so nothing of the parameters' size is created.
     `optax.apply_updates` and `qax.utils.apply_updates` broadcast it. It has no state.
 
-    >>> tx = qax.utils.set_to_zero_scalar()
-    >>> tx.update({"w": jnp.ones((3, 3))}, tx.init(None))[0]
-    {'w': Array(0., dtype=float32)}
+    Examples:
+        >>> tx = qax.utils.set_to_zero_scalar()
+        >>> tx.update({"w": jnp.ones((3, 3))}, tx.init(None))[0]
+        {'w': Array(0., dtype=float32)}
 
     Returns:
       An `optax.GradientTransformation`.
@@ -88,9 +89,10 @@ def freeze_subtrees(
     result in `optax.MultiSteps` instead accumulates a gradient for every parameter,
     frozen ones included (a full-size buffer for a frozen LoRA base weight).
 
-    >>> tx = qax.utils.freeze_subtrees(
-    ...     optax.adam(1e-3), lambda p: {"w": "freeze", "b": "train"})
-    >>> state = tx.init({"w": jnp.ones((4, 4)), "b": jnp.ones(4)})  # no moments for w
+    Examples:
+        >>> tx = qax.utils.freeze_subtrees(
+        ...     optax.adam(1e-3), lambda p: {"w": "freeze", "b": "train"})
+        >>> state = tx.init({"w": jnp.ones((4, 4)), "b": jnp.ones(4)})  # no moments for w
 
     Args:
       optimizer: the optax transformation for the trained leaves.
@@ -183,10 +185,11 @@ def freeze_keys(
     `freeze_subtrees`): wrapped outside, `MultiSteps` would keep a full-size
     accumulator for every frozen weight.
 
-    >>> optimizer = qax.freeze_keys(optax.adam(3e-4), LoraMatrix, ["w"])
-    >>> opt_state = optimizer.init(params)
-    >>> updates, opt_state = optimizer.update(grads, opt_state, params)
-    >>> params = optax.apply_updates(params, updates)
+    Examples:
+        >>> optimizer = qax.freeze_keys(optax.adam(3e-4), LoraMatrix, ["w"])
+        >>> opt_state = optimizer.init(params)
+        >>> updates, opt_state = optimizer.update(grads, opt_state, params)
+        >>> params = optax.apply_updates(params, updates)
 
     Args:
       optimizer: the optax transformation for the trained leaves.
@@ -276,8 +279,9 @@ def apply_updates(params: Any, updates: Any) -> Any:
     that are symbolic constants are not trainable and are returned unchanged. The result
     keeps each parameter's dtype.
 
-    >>> zero = qax.symbols.symbolic_zero_like(w)
-    >>> qax.utils.apply_updates({"w": w, "b": b}, {"w": zero, "b": db})
+    Examples:
+        >>> zero = qax.symbols.symbolic_zero_like(w)
+        >>> qax.utils.apply_updates({"w": w, "b": b}, {"w": zero, "b": db})
 
     Args:
       params: the parameters (may contain implicit arrays).

@@ -37,8 +37,9 @@ def field_dims(x: ImplicitBase) -> dict[str, tuple[int | None, ...]]:
     declarations of its fields (`qax.array_field`). Fields that declare nothing are
     absent.
 
-    >>> qax.sharding.field_dims(LoraMatrix(w, a, b))
-    {'w': (0, 1), 'a': (0, None), 'b': (1, None)}
+    Examples:
+        >>> qax.sharding.field_dims(LoraMatrix(w, a, b))
+        {'w': (0, 1), 'a': (0, None), 'b': (1, None)}
 
     Args:
       x: an implicit array.

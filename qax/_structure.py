@@ -135,10 +135,11 @@ def get_common_prefix_transforms(trees: Sequence) -> list[Callable[[Any], Any]]:
     agree they stay implicit, also inside nested implicit arrays. This is how the
     branches of `lax.cond` are reconciled.
 
-    >>> t1 = [Zeros(shape=(3,)), Zeros(shape=(2,))]
-    >>> t2 = [jnp.ones(3), Zeros(shape=(2,))]
-    >>> f1, f2 = qax.utils.get_common_prefix_transforms([t1, t2])
-    >>> f1(t1)  # [Array([0., 0., 0.]), Zeros(shape=(2,))]
+    Examples:
+        >>> t1 = [Zeros(shape=(3,)), Zeros(shape=(2,))]
+        >>> t2 = [jnp.ones(3), Zeros(shape=(2,))]
+        >>> f1, f2 = qax.utils.get_common_prefix_transforms([t1, t2])
+        >>> f1(t1)  # [Array([0., 0., 0.]), Zeros(shape=(2,))]
 
     Args:
       trees: pytrees in which implicit arrays may appear at any depth.

@@ -69,8 +69,9 @@ def tree_structure_with_implicit(tree: Any, is_leaf=None):
 def tree_map_with_implicit(f: Callable, tree: Any, *rest: Any, is_leaf=None) -> Any:
     """`jax.tree_util.tree_map`, calling `f` on implicit arrays instead of their leaves.
 
-    >>> tree_map_with_implicit(lambda x: x.shape, {"w": lora, "b": jnp.ones(3)})
-    {'b': (3,), 'w': (6, 5)}
+    Examples:
+        >>> tree_map_with_implicit(lambda x: x.shape, {"w": lora, "b": jnp.ones(3)})
+        {'b': (3,), 'w': (6, 5)}
     """
     return jax.tree_util.tree_map(f, tree, *rest, is_leaf=_combine_leaf(is_leaf))
 
@@ -90,8 +91,9 @@ def tree_unflatten(treedef, leaves):
 def implicit_depth(tree: Any) -> int:
     """How many layers of implicit arrays are nested in `tree` (0: none at all).
 
-    >>> implicit_depth(jnp.ones(3))
-    0
+    Examples:
+        >>> implicit_depth(jnp.ones(3))
+        0
     """
     best = 0
     for leaf in tree_leaves_with_implicit(tree):

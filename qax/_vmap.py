@@ -18,11 +18,12 @@ def vmap_all_but_one(f: Callable, axis: int, out_ndim: int = 0) -> Callable:
     `out_ndim` dimensions of each of `f`'s results take the place of `axis` in the
     output; the other axes keep their order.
 
-    >>> x = jnp.arange(24.0).reshape(2, 3, 4)
-    >>> vmap_all_but_one(jnp.sum, axis=1)(x).shape  # == x.sum(axis=1).shape
-    (2, 4)
-    >>> vmap_all_but_one(jnp.cumsum, axis=1, out_ndim=1)(x).shape
-    (2, 3, 4)
+    Examples:
+        >>> x = jnp.arange(24.0).reshape(2, 3, 4)
+        >>> vmap_all_but_one(jnp.sum, axis=1)(x).shape  # == x.sum(axis=1).shape
+        (2, 4)
+        >>> vmap_all_but_one(jnp.cumsum, axis=1, out_ndim=1)(x).shape
+        (2, 3, 4)
 
     Args:
       f: a function of 1-d arrays.

@@ -8,10 +8,11 @@ array comes back as a dict of its fields, and a field-less one (a
 `qax.symbols.SymbolicConstant`) as ``None``. To get the types back there, save the
 description of the implicit arrays as custom metadata and `rebuild` after restoring:
 
->>> ckpt = ocp.StandardCheckpointer()
->>> ckpt.save(path, state, custom_metadata={"qax": qax.checkpoint.describe(state)})
->>> raw = ckpt.restore(path)  # no template
->>> state = qax.checkpoint.rebuild(raw, ckpt.metadata(path).custom_metadata["qax"])
+Examples:
+    >>> ckpt = ocp.StandardCheckpointer()
+    >>> ckpt.save(path, state, custom_metadata={"qax": qax.checkpoint.describe(state)})
+    >>> raw = ckpt.restore(path)  # no template
+    >>> state = qax.checkpoint.rebuild(raw, ckpt.metadata(path).custom_metadata["qax"])
 
 `describe` is JSON: class names (as registered for `jax.export`) and static metadata.
 """

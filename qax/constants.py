@@ -3,9 +3,10 @@
 Every name ``n`` in these sets exists as ``jax.lax.<n>_p`` in the installed JAX (the test
 suite checks this), so they can be passed straight to `qax.primitive_handler`.
 
->>> import qax
->>> "add" in qax.constants.COMMUTATIVE_OPS
-True
+Examples:
+    >>> import qax
+    >>> "add" in qax.constants.COMMUTATIVE_OPS
+    True
 """
 
 from __future__ import annotations

@@ -19,12 +19,13 @@ Two things need this module:
 
 Importing this module imports Flax; `import qax` alone never does.
 
->>> from flax import nnx
->>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
->>> model.kernel.set_value(LoraMatrix(model.kernel.get_value(), a, b))
->>> trainable = qax.nnx.holds(LoraMatrix)
->>> opt = qax.nnx.Optimizer(model, qax.freeze_keys(optax.adam(1e-2), LoraMatrix, ["w"]),
-...                         wrt=trainable)
+Examples:
+    >>> from flax import nnx
+    >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+    >>> model.kernel.set_value(LoraMatrix(model.kernel.get_value(), a, b))
+    >>> trainable = qax.nnx.holds(LoraMatrix)
+    >>> opt = qax.nnx.Optimizer(model, qax.freeze_keys(optax.adam(1e-2), LoraMatrix, ["w"]),
+    ...                         wrt=trainable)
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def holds(*types: type) -> Any:
     a filter: `nnx.state`, `nnx.split`, `nnx.DiffState` for `nnx.grad`, and ``wrt=`` of
     `qax.nnx.Optimizer`.
 
-    >>> lora_state = nnx.state(model, qax.nnx.holds(LoraMatrix))
+    Examples:
+        >>> lora_state = nnx.state(model, qax.nnx.holds(LoraMatrix))
 
     Args:
       types: implicit array classes (subclasses of `qax.ImplicitArray`).
@@ -111,9 +113,10 @@ class Optimizer(nnx.Optimizer):
     across updates, which `nnx.Optimizer` does not (see the module docstring). With
     plain arrays only it computes exactly what `nnx.Optimizer` computes.
 
-    >>> opt = qax.nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-    >>> grads = nnx.grad(loss)(model)  # loss calls the model via qax.use_implicit_args
-    >>> opt.update(model, grads)
+    Examples:
+        >>> opt = qax.nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+        >>> grads = nnx.grad(loss)(model)  # loss calls the model via qax.use_implicit_args
+        >>> opt.update(model, grads)
 
     It takes `nnx.Optimizer`'s arguments: ``model``, the NNX module; ``tx``, the optax
     transformation, e.g. ``qax.freeze_keys(optax.adam(1e-3), LoraWeight, ["w"])`` to

@@ -30,9 +30,10 @@ respect to the LoRA factors only (`qax.lora.split`), or wrap it in
 keeps the weight quantized), and no weight-sized gradient is computed for it.
 Train on top of them with `qax.lora` (QLoRA):
 
->>> base = qax.quant.quantize(params, "nf4")
->>> params = qax.lora.loraify(base, rank=8, key=jax.random.key(0))
->>> adapters, base = qax.lora.split(params)   # train `adapters` as in qax.lora
+Examples:
+    >>> base = qax.quant.quantize(params, "nf4")
+    >>> params = qax.lora.loraify(base, rank=8, key=jax.random.key(0))
+    >>> adapters, base = qax.lora.split(params)   # train `adapters` as in qax.lora
 
 This module uses qax's public API only.
 """
@@ -116,9 +117,10 @@ class QuantizedWeight(qax.ImplicitArray):
     axes beyond it stack independent weights (scanned layers, as ``from_array(w,
     batch_ndim=1)`` builds them), which `lax.scan` and `vmap` slice without decoding.
 
-    >>> q = qax.quant.Int8Weight.from_array(jnp.ones((3, 4, 2)), batch_ndim=1)
-    >>> q.shape, q.weight_ndim
-    ((3, 4, 2), 2)
+    Examples:
+        >>> q = qax.quant.Int8Weight.from_array(jnp.ones((3, 4, 2)), batch_ndim=1)
+        >>> q.shape, q.weight_ndim
+        ((3, 4, 2), 2)
     """
 
     _ARRAYS: ClassVar[tuple[str, ...]] = ()
@@ -177,9 +179,10 @@ class Int8Weight(QuantizedWeight):
 
     ``scale`` keeps the weight's rank, with size 1 on every axis but the channel axis.
 
-    >>> q = qax.quant.Int8Weight.from_array(jnp.ones((4, 3)))
-    >>> q.q.dtype, q.scale.shape
-    (dtype('int8'), (1, 3))
+    Examples:
+        >>> q = qax.quant.Int8Weight.from_array(jnp.ones((4, 3)))
+        >>> q.q.dtype, q.scale.shape
+        (dtype('int8'), (1, 3))
 
     Attributes:
       q: the int8 codes, in ``[-127, 127]``.
@@ -243,9 +246,10 @@ class Int4Weight(_PackedFourBits):
     """4-bit symmetric integers, two per byte, with one scale per group along the last
     axis: ``w[..., g*s:(g+1)*s] ≈ (code - 8) * scale[..., g]``.
 
-    >>> q = qax.quant.Int4Weight.from_array(jnp.ones((4, 64)), group_size=32)
-    >>> q.packed.shape, q.scale.shape
-    ((4, 32), (4, 2))
+    Examples:
+        >>> q = qax.quant.Int4Weight.from_array(jnp.ones((4, 64)), group_size=32)
+        >>> q.packed.shape, q.scale.shape
+        ((4, 32), (4, 2))
 
     Attributes:
       packed: ``uint8`` of shape ``(*lead, n // 2)``: codes ``0..15`` (value + 8), the
@@ -283,9 +287,10 @@ class NF4Weight(_PackedFourBits):
     """QLoRA's 4-bit NormalFloat: codes into `NF4_LEVELS`, two per byte, with one
     absmax per block along the last axis: ``w ≈ NF4_LEVELS[code] * absmax[block]``.
 
-    >>> q = qax.quant.NF4Weight.from_array(jax.random.normal(key, (8, 128)))
-    >>> q.packed.dtype, q.packed.shape, q.absmax.shape
-    (dtype('uint8'), (8, 64), (8, 2))
+    Examples:
+        >>> q = qax.quant.NF4Weight.from_array(jax.random.normal(key, (8, 128)))
+        >>> q.packed.dtype, q.packed.shape, q.absmax.shape
+        (dtype('uint8'), (8, 64), (8, 2))
 
     Attributes:
       packed: ``uint8`` of shape ``(*lead, n // 2)``: indices into `NF4_LEVELS`, the
@@ -496,8 +501,9 @@ def quantize(
 ) -> Any:
     """Replace chosen weights of a params pytree by quantized weights.
 
-    >>> small = qax.quant.quantize(params, "nf4", block_size=64)
-    >>> qax.use_implicit_args(model.apply)({"params": small}, x)
+    Examples:
+        >>> small = qax.quant.quantize(params, "nf4", block_size=64)
+        >>> qax.use_implicit_args(model.apply)({"params": small}, x)
 
     Args:
       params: any pytree (Flax linen dict, NNX state, Equinox module, ...).
@@ -545,7 +551,8 @@ def quantize(
 def dequantize(params: Any) -> Any:
     """Replace every quantized weight by the dense weight it decodes to.
 
-    >>> dense = qax.quant.dequantize(qax.quant.quantize(params, "int8"))
+    Examples:
+        >>> dense = qax.quant.dequantize(qax.quant.quantize(params, "int8"))
 
     Args:
       params: a pytree holding quantized weights (also inside `qax.lora.LoraWeight`).

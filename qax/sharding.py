@@ -21,10 +21,11 @@ declares nothing is replicated when the spec partitions only batch dimensions, a
 an error otherwise. Fields holding implicit arrays (QLoRA: a LoRA whose ``w`` is
 quantized) get the spec of the array they hold, and their own leaves follow from it.
 
->>> mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
->>> shardings = qax.sharding.implicit_shardings(params, specs, mesh)
->>> params = jax.device_put(params, shardings)
->>> step = jax.jit(train_step, in_shardings=(shardings, ...), out_shardings=...)
+Examples:
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+    >>> shardings = qax.sharding.implicit_shardings(params, specs, mesh)
+    >>> params = jax.device_put(params, shardings)
+    >>> step = jax.jit(train_step, in_shardings=(shardings, ...), out_shardings=...)
 """
 
 from __future__ import annotations
@@ -62,9 +63,10 @@ def implicit_specs(tree: Any, specs: Any) -> Any:
     `jax.jit`'s shardings). Each implicit array's spec is the spec of the dense array it
     represents; its leaves get specs as its type declares (see the module docstring).
 
-    >>> specs = qax.sharding.implicit_specs({"w": lora}, {"w": P(None, "model")})
-    >>> specs["w"].a, specs["w"].b
-    (PartitionSpec(None, None), PartitionSpec('model', None))
+    Examples:
+        >>> specs = qax.sharding.implicit_specs({"w": lora}, {"w": P(None, "model")})
+        >>> specs["w"].a, specs["w"].b
+        (PartitionSpec(None, None), PartitionSpec('model', None))
 
     Args:
       tree: a pytree that may hold implicit arrays (at any depth, nested too).
@@ -97,9 +99,10 @@ def implicit_shardings(tree: Any, specs: Any, mesh: jax.sharding.Mesh) -> Any:
     The result has the structure of `tree`, so it serves `jax.device_put(tree, ...)`,
     `jax.jit(..., in_shardings=..., out_shardings=...)` and orbax restore targets.
 
-    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
-    >>> shardings = qax.sharding.implicit_shardings(params, specs, mesh)
-    >>> params = jax.device_put(params, shardings)
+    Examples:
+        >>> mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+        >>> shardings = qax.sharding.implicit_shardings(params, specs, mesh)
+        >>> params = jax.device_put(params, shardings)
 
     Args:
       tree: a pytree that may hold implicit arrays.

@@ -36,11 +36,12 @@ sign of a zero result is not tracked (``x + 0`` returns ``x`` also for ``x = -0.
 ``reduce_sum``/``reduce_prod`` of a constant are computed as ``v * n`` / ``v ** n``,
 the correctly rounded result rather than XLA's summation order.
 
->>> import jax.numpy as jnp, qax
->>> from qax.symbols import SymbolicConstant
->>> zero = SymbolicConstant(0.0, shape=(3,), dtype=jnp.float32)
->>> qax.use_implicit_args(lambda z, x: z * x + x)(zero, jnp.arange(3.0))
-Array([0., 1., 2.], dtype=float32)
+Examples:
+    >>> import jax.numpy as jnp, qax
+    >>> from qax.symbols import SymbolicConstant
+    >>> zero = SymbolicConstant(0.0, shape=(3,), dtype=jnp.float32)
+    >>> qax.use_implicit_args(lambda z, x: z * x + x)(zero, jnp.arange(3.0))
+    Array([0., 1., 2.], dtype=float32)
 """
 
 from __future__ import annotations
@@ -88,11 +89,12 @@ class SymbolicConstant(qax.ImplicitArray):
     (``SymbolicConstant(2.0, shape=(3,)) * jnp.ones(3, jnp.bfloat16)`` is bfloat16);
     an explicit `dtype`, or a NumPy/JAX scalar, gives a strongly typed one.
 
-    >>> c = SymbolicConstant(2.0, shape=(2, 3))
-    >>> c
-    SymbolicConstant(value=2.0, shape=(2, 3), dtype=float32, weak_type=True)
-    >>> qax.use_implicit_args(lambda c: (c * c).sum())(c)
-    SymbolicConstant(value=24.0, shape=(), dtype=float32)
+    Examples:
+        >>> c = SymbolicConstant(2.0, shape=(2, 3))
+        >>> c
+        SymbolicConstant(value=2.0, shape=(2, 3), dtype=float32, weak_type=True)
+        >>> qax.use_implicit_args(lambda c: (c * c).sum())(c)
+        SymbolicConstant(value=24.0, shape=(), dtype=float32)
 
     Attributes:
       value: the fill value: a Python, NumPy or concrete 0-d JAX scalar.
@@ -186,8 +188,9 @@ def symbolic_full_like(
     is `shape` if given, else that of `x`. `x` may be an array, a tracer, an implicit
     array or anything with `shape` and `dtype`.
 
-    >>> symbolic_full_like(jnp.ones((2, 2), jnp.int8), 3)
-    SymbolicConstant(value=3, shape=(2, 2), dtype=int8)
+    Examples:
+        >>> symbolic_full_like(jnp.ones((2, 2), jnp.int8), 3)
+        SymbolicConstant(value=3, shape=(2, 2), dtype=int8)
     """
     aval = _aval_of(x)
     return SymbolicConstant(
@@ -203,8 +206,9 @@ def symbolic_zero_like(
 ) -> SymbolicConstant:
     """A zero `SymbolicConstant` like ``jnp.zeros_like(x, dtype, shape)``.
 
-    >>> symbolic_zero_like(jnp.ones(3))
-    SymbolicConstant(value=0.0, shape=(3,), dtype=float32)
+    Examples:
+        >>> symbolic_zero_like(jnp.ones(3))
+        SymbolicConstant(value=0.0, shape=(3,), dtype=float32)
     """
     return symbolic_full_like(x, 0, shape=shape, dtype=dtype)
 

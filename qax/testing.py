@@ -84,11 +84,12 @@ def check_handler(
     It also fails if no handler applies to the example types, or if the handler passed
     (`NotImplemented`) so that qax materialized the operands instead.
 
-    >>> qax.testing.check_handler(
-    ...     "dot_general", x, lora,
-    ...     dimension_numbers=(((1,), (0,)), ((), ())), precision=None,
-    ...     preferred_element_type=jnp.float32, out_sharding=None,
-    ... )
+    Examples:
+        >>> qax.testing.check_handler(
+        ...     "dot_general", x, lora,
+        ...     dimension_numbers=(((1,), (0,)), ((), ())), precision=None,
+        ...     preferred_element_type=jnp.float32, out_sharding=None,
+        ... )
 
     Args:
       primitive: a primitive name (e.g. ``"mul"``) or a JAX `Primitive` object.

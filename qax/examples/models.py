@@ -45,9 +45,10 @@ __all__ = [
 class CharTokenizer:
     """Maps each character of a fixed alphabet to an id; id 0 is padding / start.
 
-    >>> tok = CharTokenizer("abc ")
-    >>> tok.decode(tok.encode("a cab"))
-    'a cab'
+    Examples:
+        >>> tok = CharTokenizer("abc ")
+        >>> tok.decode(tok.encode("a cab"))
+        'a cab'
     """
 
     def __init__(self, text: str):

@@ -34,17 +34,18 @@ convolution), as in PEFT's convolution LoRA. Equinox stores ``Linear`` weights a
 `LoraWeight` then computes no ``w``-sized gradient product at all (its gradient is zero);
 only ``a`` and ``b`` get gradients. The recipe for training is `split` / `combine`:
 
->>> params = qax.lora.loraify(params, rank=8, key=jax.random.key(0), alpha=16.0)
->>> adapters, base = qax.lora.split(params)
->>> opt = optax.adam(1e-3)
->>> opt_state = opt.init(adapters)          # moments for the factors only
->>> @jax.jit
-... def step(adapters, opt_state, base, batch):
-...     def loss(adapters):
-...         return qax.use_implicit_args(loss_fn)(qax.lora.combine(adapters, base), batch)
-...     value, grads = jax.value_and_grad(loss)(adapters)
-...     updates, opt_state = opt.update(grads, opt_state, adapters)
-...     return optax.apply_updates(adapters, updates), opt_state, value
+Examples:
+    >>> params = qax.lora.loraify(params, rank=8, key=jax.random.key(0), alpha=16.0)
+    >>> adapters, base = qax.lora.split(params)
+    >>> opt = optax.adam(1e-3)
+    >>> opt_state = opt.init(adapters)          # moments for the factors only
+    >>> @jax.jit
+    ... def step(adapters, opt_state, base, batch):
+    ...     def loss(adapters):
+    ...         return qax.use_implicit_args(loss_fn)(qax.lora.combine(adapters, base), batch)
+    ...     value, grads = jax.value_and_grad(loss)(adapters)
+    ...     updates, opt_state = opt.update(grads, opt_state, adapters)
+    ...     return optax.apply_updates(adapters, updates), opt_state, value
 
 ``base`` may hold quantized weights (`qax.quant`): that is QLoRA. Nothing in ``base`` is
 differentiated, so integer leaves need no ``allow_int=True``.

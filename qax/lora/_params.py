@@ -36,10 +36,11 @@ def default_filter(path: str, leaf: Any) -> bool:
     by ``_``, a digit or nothing (``ln_f``, ``ln1``), or is ``wte``/``wpe`` (GPT-2's token
     and position tables).
 
-    >>> qax.lora.default_filter("h_0/attn/c_attn/kernel", jnp.ones((4, 12)))
-    True
-    >>> qax.lora.default_filter("wte/embedding", jnp.ones((64, 4)))
-    False
+    Examples:
+        >>> qax.lora.default_filter("h_0/attn/c_attn/kernel", jnp.ones((4, 12)))
+        True
+        >>> qax.lora.default_filter("wte/embedding", jnp.ones((64, 4)))
+        False
 
     Args:
       path: the leaf's key path as a string (see `loraify`).
@@ -81,9 +82,10 @@ def loraify(
     ``1 / sqrt(fan_in)`` (``fan_in`` = the size of ``a``'s weight axes) and ``b`` is zero,
     so the model computes exactly what it computed before.
 
-    >>> params = qax.lora.loraify(params, 8, key=jax.random.key(0), alpha=16.0)
-    >>> qax.lora.trainable_count(params)
-    12288
+    Examples:
+        >>> params = qax.lora.loraify(params, 8, key=jax.random.key(0), alpha=16.0)
+        >>> qax.lora.trainable_count(params)
+        12288
 
     Args:
       params: the parameters.
@@ -148,7 +150,8 @@ def merge(params: Any) -> Any:
 
     A quantized base weight is dequantized (the merged weight is dense).
 
-    >>> dense = qax.lora.merge(params)  # runs without use_implicit_args
+    Examples:
+        >>> dense = qax.lora.merge(params)  # runs without use_implicit_args
 
     Args:
       params: parameters holding `LoraWeight`s.
@@ -174,8 +177,9 @@ def split(params: Any) -> tuple[Any, Any]:
     its ``w`` (the pretrained weights, possibly quantized). ``combine(adapters, base)``
     rebuilds ``params``.
 
-    >>> adapters, base = qax.lora.split(params)
-    >>> opt_state = optax.adam(1e-3).init(adapters)
+    Examples:
+        >>> adapters, base = qax.lora.split(params)
+        >>> opt_state = optax.adam(1e-3).init(adapters)
 
     Args:
       params: parameters holding `LoraWeight`s.
@@ -206,7 +210,8 @@ _BAD_COMBINE = (
 def combine(adapters: Any, base: Any) -> Any:
     """Inverse of `split`: put each `LoraAdapter` back on its base weight.
 
-    >>> params = qax.lora.combine(adapters, base)
+    Examples:
+        >>> params = qax.lora.combine(adapters, base)
 
     Args:
       adapters: a tree from `split` (`LoraAdapter` or ``None`` per weight).
@@ -239,8 +244,9 @@ def combine(adapters: Any, base: Any) -> Any:
 def trainable_count(params: Any) -> int:
     """The number of trainable LoRA numbers: the sizes of every ``a`` and ``b``.
 
-    >>> qax.lora.trainable_count(qax.lora.loraify({"w": jnp.ones((4, 3))}, 2, key=k))
-    14
+    Examples:
+        >>> qax.lora.trainable_count(qax.lora.loraify({"w": jnp.ones((4, 3))}, 2, key=k))
+        14
 
     Args:
       params: parameters holding `LoraWeight`s (or the adapters from `split`).

@@ -50,10 +50,11 @@ class LoraWeight(qax.ImplicitArray):
     itself be an implicit array, e.g. a `qax.quant.NF4Weight` (QLoRA). The dtype is what
     JAX's type promotion gives for ``w``, ``a`` and ``b``.
 
-    >>> w = jnp.ones((4, 3)); a = jnp.ones((4, 2)); b = jnp.zeros((2, 3))
-    >>> lora = qax.lora.LoraWeight(w, a, b, alpha=4.0)
-    >>> qax.use_implicit_args(lambda x, w: x @ w)(jnp.ones((5, 4)), lora).shape
-    (5, 3)
+    Examples:
+        >>> w = jnp.ones((4, 3)); a = jnp.ones((4, 2)); b = jnp.zeros((2, 3))
+        >>> lora = qax.lora.LoraWeight(w, a, b, alpha=4.0)
+        >>> qax.use_implicit_args(lambda x, w: x @ w)(jnp.ones((5, 4)), lora).shape
+        (5, 3)
 
     Attributes:
       w: the base weight (frozen).
