@@ -37,8 +37,6 @@ sign of a zero result is not tracked (``x + 0`` returns ``x`` also for ``x = -0.
 the correctly rounded result rather than XLA's summation order.
 
 Examples:
-    >>> import jax.numpy as jnp, qax
-    >>> from qax.symbols import SymbolicConstant
     >>> zero = SymbolicConstant(0.0, shape=(3,), dtype=jnp.float32)
     >>> qax.use_implicit_args(lambda z, x: z * x + x)(zero, jnp.arange(3.0))
     Array([0., 1., 2.], dtype=float32)
@@ -249,11 +247,9 @@ _scalar_arrays: dict[tuple, jax.Array] = {}
 
 
 def _scalar(value: Any, weak_type: bool) -> Any:
-    """`value` as an operand that staging turns into a literal, keeping its weak type.
-
-    NumPy scalars (strong) and Python scalars (weak, default dtypes) become literals;
-    other weak scalars are concrete 0-d arrays (cached).
-    """
+    """`value` as an operand that staging turns into a literal, keeping its weak type:
+    NumPy scalars (strong) and Python scalars (weak, default dtypes) become literals,
+    other weak scalars concrete 0-d arrays (cached)."""
     if not weak_type:
         return value
     python = value.item()
