@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import pathlib
+import re
 
 import nbformat
 from mkdocs.structure.files import File
@@ -19,17 +20,24 @@ def _notebook_markdown(path: pathlib.Path) -> str:
     notebook = nbformat.read(path, as_version=4)
     parts = [
         "<!-- Generated from notebooks/How_to_Qax.ipynb by docs/hooks.py. -->\n",
-        "[Open the notebook](https://github.com/qax-dev/qax/blob/main/notebooks/"
-        "How_to_Qax.ipynb); the test suite runs it, so what follows is its saved output.\n",
+        "The notebook is `notebooks/How_to_Qax.ipynb` in the repository; the test suite "
+        "runs it, so what follows is its saved output.\n",
     ]
     for cell in notebook.cells:
         if cell.cell_type == "markdown":
-            parts.append(cell.source)
+            parts.append(_local_links(cell.source))
         elif cell.cell_type == "code":
             parts.append(f"```py\n{cell.source}\n```")
             for output in cell.get("outputs", []):
                 parts.extend(_output_markdown(output))
     return "\n\n".join(parts) + "\n"
+
+
+def _local_links(markdown: str) -> str:
+    """Links to files beside the notebook, as their repository paths (not pages here)."""
+    return re.sub(
+        r"\[([^\]]+)\]\((?![a-z]+://|#)([^)]+)\)", r"\1 (`notebooks/\2`)", markdown
+    )
 
 
 def _output_markdown(output) -> list[str]:

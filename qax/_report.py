@@ -189,11 +189,15 @@ def report(event: MaterializationEvent) -> None:
 
 
 def replay(events: list[MaterializationEvent]) -> None:
-    """Report again the events of a cached body that runs again (unless quiet)."""
-    if quiet_materialization.get():
+    """Report again the events of a cached body that runs again (unless quiet), with
+    the source line of the code that runs it now."""
+    if not events or quiet_materialization.get():
         return
+    here = source_line()
     for event in events:
-        report(event)
+        report(
+            dataclasses.replace(event, source=here) if event.source != here else event
+        )
 
 
 def report_materialization(

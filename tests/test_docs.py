@@ -52,7 +52,12 @@ def test_page_examples_run(page):
     with warnings.catch_warnings():
         warnings.simplefilter("error", qax.MaterializationWarning)
         for i, code in enumerate(_python_blocks(page)):
-            exec(compile(code, f"{DOCS / page} (block {i + 1})", "exec"), namespace)
+            exec(
+                compile(
+                    code, f"{DOCS / page} (block {i + 1})", "exec", dont_inherit=True
+                ),
+                namespace,
+            )
 
 
 def _public_names(module_name: str) -> list[tuple[str, object]]:
