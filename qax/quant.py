@@ -41,6 +41,7 @@ This module uses qax's public API only.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from statistics import NormalDist
 from typing import Any, ClassVar
@@ -510,7 +511,8 @@ def quantize(
       fmt: ``"int8"``, ``"int4"``, ``"nf4"``, or one of the classes.
       filter: ``filter(path, leaf) -> bool`` (``path`` as in `qax.lora.loraify`).
         Default: `qax.lora.default_filter` (every 2-D+ weight but embeddings, norms and
-        biases), skipping weights whose last axis is not a multiple of the block size.
+        biases), skipping weights whose last axis is not a multiple of the block size,
+        with a warning that names them.
       **options: passed to ``from_array``: ``axis`` (int8), ``group_size`` (int4),
         ``block_size`` (nf4), ``batch_ndim`` (stacked layers; an int or a function of
         ``(path, leaf)``).
@@ -529,10 +531,17 @@ def quantize(
             "QuantizedWeight subclass."
         )
 
+    skipped = []  # chosen by the default filter, but the format cannot hold them
+
     def choose(path: str, leaf: Any) -> bool:
         if filter is not None:
             return filter(path, leaf)
-        return default_filter(path, leaf) and _fits(cls, leaf, options)
+        if not default_filter(path, leaf):
+            return False
+        if not _fits(cls, leaf, options):
+            skipped.append(f"{path} {tuple(leaf.shape)}")
+            return False
+        return True
 
     def convert(path, leaf):
         if isinstance(leaf, qax.ImplicitArray) or not hasattr(leaf, "shape"):
@@ -545,7 +554,17 @@ def quantize(
             kwargs["batch_ndim"] = kwargs["batch_ndim"](name, leaf)
         return cls.from_array(leaf, **kwargs)
 
-    return qax.utils.tree_map_with_path_with_implicit(convert, params)
+    out = qax.utils.tree_map_with_path_with_implicit(convert, params)
+    if skipped:
+        size = options.get("block_size", options.get("group_size", 64))
+        warnings.warn(
+            f"quantize(..., {cls.__name__}) kept {len(skipped)} weight(s) unquantized: "
+            f"their last axis is not a multiple of the block size {size}: "
+            f"{', '.join(skipped)}. Pass a block size that divides it (block_size= for "
+            "nf4, group_size= for int4), or a `filter` that leaves them out.",
+            stacklevel=2,
+        )
+    return out
 
 
 def dequantize(params: Any) -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -339,12 +341,15 @@ def test_quantize_tree_defaults_filter_and_errors():
         "dense": {"kernel": normal((64, 64)), "bias": jnp.zeros(64)},
         "head": {"kernel": normal((64, 10))},  # 10 is no multiple of 64: left alone
     }
-    q = qax.quant.quantize(params, "nf4")
+    with pytest.warns(UserWarning, match=r"kept 1 weight.*head/kernel \(64, 10\)"):
+        q = qax.quant.quantize(params, "nf4")
     assert isinstance(q["dense"]["kernel"], NF4Weight)
     assert not isinstance(q["embed"]["embedding"], QuantizedWeight)
     assert not isinstance(q["head"]["kernel"], QuantizedWeight)
     assert q["dense"]["bias"] is params["dense"]["bias"]
-    q8 = qax.quant.quantize(params, Int8Weight)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # int8 holds any shape: nothing skipped
+        q8 = qax.quant.quantize(params, Int8Weight)
     assert isinstance(q8["head"]["kernel"], Int8Weight)
     everything = qax.quant.quantize(params, "int8", filter=lambda path, x: x.ndim == 2)
     assert isinstance(everything["embed"]["embedding"], Int8Weight)
