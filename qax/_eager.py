@@ -142,18 +142,22 @@ def _outputs(trees: list, outs: list) -> list:
     return outputs
 
 
+def _array_kind(x: ArrayImpl) -> tuple:
+    """What a compiled program sees of an eager array (a placed array's sharding too)."""
+    return x.shape, x.dtype, x.weak_type, x.committed and x.sharding
+
+
 def operand(x: Any) -> tuple | None:
     """(signature, leaves) of an operand of a lane; None: it cannot enter one."""
-    if type(x) is ArrayImpl:  # (a placed array's sharding is part of its type)
-        return (x.shape, x.dtype, x.weak_type, x.committed and x.sharding), (x,)
+    if type(x) is ArrayImpl:
+        return _array_kind(x), (x,)
     if not isinstance(x, ImplicitBase):
         return None
     leaves, tree = jax.tree_util.tree_flatten(x)
     kinds = []
     for leaf in leaves:
         if type(leaf) is ArrayImpl:
-            kind = (leaf.shape, leaf.dtype, leaf.weak_type)
-            kinds.append((*kind, leaf.committed and leaf.sharding))
+            kinds.append(_array_kind(leaf))
         elif isinstance(leaf, Tracer):  # an implicit array built from tracers
             return None
         else:
@@ -169,6 +173,13 @@ def operand(x: Any) -> tuple | None:
     if signature is None:
         signature = _signatures[key] = object()
     return signature, leaves
+
+
+def _tracer_operand(t: ImplicitTracer) -> tuple | None:
+    """`operand` of a tracer's value; a `LaneTracer` knows it without rebuilding it."""
+    if type(t) is LaneTracer:
+        return t.signature, t.leaves
+    return operand(t.value)
 
 
 def run_lane(
@@ -194,13 +205,17 @@ def run_lane(
             _signatures.clear()
         seen = _lanes[key] = _Seen()
         return seen
+    if lane is _NO_LANE:
+        return _NO_LANE
     leaves = [leaf for o in operands for leaf in o[1]]
     context = jit_context()
     if type(lane) is _Seen:
         if lane.trees is None or jax.config.jax_disable_jit:
             return _NO_LANE
         lane = _lanes[key] = _build_lane(trace, leaves, vals, run, context, lane)
-    if lane is _NO_LANE or lane.context != context:
+        if lane is _NO_LANE:
+            return _NO_LANE
+    if lane.context != context:
         return _NO_LANE
     return lane.run(leaves)
 
@@ -335,22 +350,14 @@ class EagerTrace(ImplicitTrace):
             if isinstance(t, ImplicitTracer):
                 if t.owner.tag is not self.tag:
                     return _NO_LANE
-                found = (
-                    (t.signature, t.leaves)
-                    if type(t) is LaneTracer
-                    else operand(t.value)
-                )
+                found = _tracer_operand(t)
             else:
                 found = operand(t)
             if found is None:
                 return _NO_LANE
             vals.append(t)
             operands.append(found)
-        try:
-            head = (primitive, tuple(params.items()))
-            hash(head)
-        except TypeError:
-            return _NO_LANE
+        head = (primitive, tuple(params.items()))  # (unhashable: `run_lane` refuses)
 
         def run(sub, vals):
             out = apply_primitive(sub, primitive, vals, params)
@@ -394,12 +401,9 @@ class EagerTrace(ImplicitTrace):
             if isinstance(x, ImplicitTracer):
                 if x.owner is not self:
                     return jax_method(tracer, *args)
-                if type(x) is LaneTracer:
-                    found = x.signature, x.leaves
-                else:
-                    found = operand(x.value)
-                    if found is None:
-                        return jax_method(tracer, *args)
+                found = _tracer_operand(x)
+                if found is None:
+                    return jax_method(tracer, *args)
                 vals.append(x)
                 operands.append(found)
                 pattern.append(None)

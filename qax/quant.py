@@ -485,12 +485,15 @@ def _transpose_int8(primitive, w: Int8Weight, *, permutation) -> Int8Weight:
 _FORMATS = {"int8": Int8Weight, "int4": Int4Weight, "nf4": NF4Weight}
 
 
+def _block_size(options: dict) -> int:
+    return options.get("block_size", options.get("group_size", 64))
+
+
 def _fits(cls: type, leaf: Any, options: dict) -> bool:
     if cls is Int8Weight:
         return True
-    size = options.get("block_size", options.get("group_size", 64))
-    last = leaf.shape[-1]
-    return size % 2 == 0 and last % size == 0
+    size = _block_size(options)
+    return size % 2 == 0 and leaf.shape[-1] % size == 0
 
 
 def quantize(
@@ -556,7 +559,7 @@ def quantize(
 
     out = qax.utils.tree_map_with_path_with_implicit(convert, params)
     if skipped:
-        size = options.get("block_size", options.get("group_size", 64))
+        size = _block_size(options)
         warnings.warn(
             f"quantize(..., {cls.__name__}) kept {len(skipped)} weight(s) unquantized: "
             f"their last axis is not a multiple of the block size {size}: "
