@@ -28,6 +28,7 @@ from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import mlir as _mlir
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax.control_flow.common import _merge_common_consts
+from jax._src.lib.mlir.dialects import sdy as _sdy
 from jax._src.shard_map import shard_map_p as shard_map_p
 from jax._src.sharding_impls import UNSPECIFIED as UNSPECIFIED
 from jax.sharding import NamedSharding as _NamedSharding
@@ -277,6 +278,19 @@ def register_lowering_fun(primitive: Primitive, fn) -> None:
     _mlir.register_lowering(
         primitive, _mlir.lower_fun(fn, multiple_results=primitive.multiple_results)
     )
+
+
+def register_lowering(primitive: Primitive, rule: Callable) -> None:
+    """Compile `primitive` with `rule(ctx, *operands)` (MLIR values in, out)."""
+    _mlir.register_lowering(primitive, rule)
+
+
+def propagation_barrier(x):
+    """MLIR: `x` behind a Shardy barrier that sharding propagation crosses in neither
+    direction (`x` itself under the GSPMD partitioner)."""
+    if not _config.use_shardy_partitioner.value:
+        return x
+    return _sdy.propagation_barrier(x, _sdy.PropagationDirection.NONE)
 
 
 # -- used by the structural rules (`qax/_rules/`) -----------------------------------------

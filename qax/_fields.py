@@ -29,6 +29,7 @@ from ._base import NB, ImplicitBase
 AUX = "qax_aux"
 NDIM = "qax_ndim"
 FOLLOWS = "qax_follows"
+STORED = "qax_stored"
 
 
 def aux_field(metadata: dict | None = None, **kwargs: Any) -> Any:
@@ -52,6 +53,7 @@ def array_field(
     *,
     ndim: int | str,
     follows: tuple[int | None, ...] | None = None,
+    stored: bool = False,
     metadata: dict | None = None,
     **kwargs: Any,
 ) -> Any:
@@ -99,6 +101,11 @@ def array_field(
         `qax.sharding` partitions the field along the dimensions it follows (LoRA's
         ``a`` [m, r]: ``follows=(0, None)``). Types whose ranks vary per instance
         declare this with a `field_dims()` method instead (see `qax.sharding`).
+      stored: the field holds compact storage that handlers decode (quantized codes,
+        their scales). In a program split over devices, its leaves are moved between
+        devices as stored, and handlers and `materialize()` decode them after the move
+        (an FSDP all-gather of int8 codes moves int8, not the floats they decode to).
+        Nothing changes on one device. See `qax.sharding`.
       metadata: extra dataclass field metadata.
       **kwargs: passed to `dataclasses.field` (e.g. `default`).
 
@@ -118,6 +125,8 @@ def array_field(
         )
     metadata = dict(metadata) if metadata else {}
     metadata[NDIM] = ndim
+    if stored:
+        metadata[STORED] = True
     if follows is not None:
         follows = tuple(follows)
         if (
@@ -151,6 +160,7 @@ class Fields:
     aux: tuple[str, ...]
     ndims: tuple[int | str | None, ...]
     dynamic: bool = False  # some rank is held by an aux field
+    stored: tuple[str, ...] = ()  # children declared `array_field(stored=True)`
     # Every child has a declared rank (read on every new instance: computed once).
     declared: bool = dataclasses.field(init=False)
 
@@ -167,7 +177,7 @@ class Fields:
 def fields_of(cls: type) -> Fields:
     cached = cls.__dict__.get("_qax_fields")
     if cached is None:
-        children, aux, ndims = [], [], []
+        children, aux, ndims, stored = [], [], [], []
         for f in dataclasses.fields(cls):
             if f.name in ("shape", "dtype"):
                 continue
@@ -176,6 +186,8 @@ def fields_of(cls: type) -> Fields:
             else:
                 children.append(f.name)
                 ndims.append(f.metadata.get(NDIM))
+                if f.metadata.get(STORED):
+                    stored.append(f.name)
         for name, ndim in zip(children, ndims):
             if isinstance(ndim, str) and ndim not in aux:
                 raise TypeError(
@@ -183,7 +195,9 @@ def fields_of(cls: type) -> Fields:
                     f"but {cls.__name__} has no aux_field named {ndim!r} to hold it."
                 )
         dynamic = any(isinstance(n, str) for n in ndims)
-        cached = Fields(tuple(children), tuple(aux), tuple(ndims), dynamic)
+        cached = Fields(
+            tuple(children), tuple(aux), tuple(ndims), dynamic, tuple(stored)
+        )
         type.__setattr__(cls, "_qax_fields", cached)
     return cached
 

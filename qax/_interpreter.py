@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from . import _dispatch, _errors
+from ._arrival import PRODUCTS, arrived_operands, stored_fields
 from ._base import NB, STACKED, ImplicitBase, is_implicit, quiet_materialization
 from ._compat import (
     ArrayImpl,
@@ -221,6 +222,8 @@ def apply_primitive(
     ):
         vals = [vals[1], vals[0]]
 
+    if primitive in PRODUCTS and any(map(stored_fields, vals)):
+        vals = arrived_operands(trace, vals)
     stacked = any(map(_stacked_examples, vals))
     if not stacked:
         types = tuple(map(_dispatch.dispatch_type, vals))

@@ -113,10 +113,12 @@ class QuantizedWeight(qax.ImplicitArray):
     ``dtype``), `from_array()` and ``_ARRAYS`` (the names of the array fields);
     ``dtype`` is the dtype of the scales. Every array field has the weight's rank, held
     per instance by the keyword-only aux field ``weight_ndim``: declare the array
-    fields with ``qax.array_field(ndim="weight_ndim")``. Constructed without it, a
-    weight is unbatched (``weight_ndim`` is the rank of its fields); with it, leading
-    axes beyond it stack independent weights (scanned layers, as ``from_array(w,
-    batch_ndim=1)`` builds them), which `lax.scan` and `vmap` slice without decoding.
+    fields with ``qax.array_field(ndim="weight_ndim", stored=True)``. Constructed
+    without it, a weight is unbatched (``weight_ndim`` is the rank of its fields); with
+    it, leading axes beyond it stack independent weights (scanned layers, as
+    ``from_array(w, batch_ndim=1)`` builds them), which `lax.scan` and `vmap` slice
+    without decoding. ``stored=True``: in a program split over devices, products move
+    the codes and scales as stored and decode them after the move (`qax.sharding`).
 
     Examples:
         >>> q = qax.quant.Int8Weight.from_array(jnp.ones((3, 4, 2)), batch_ndim=1)
@@ -190,8 +192,8 @@ class Int8Weight(QuantizedWeight):
       scale: the per-channel scales (the dtype the weight decodes to).
     """
 
-    q: qax.ArrayValue = qax.array_field(ndim="weight_ndim")
-    scale: qax.ArrayValue = qax.array_field(ndim="weight_ndim")
+    q: qax.ArrayValue = qax.array_field(ndim="weight_ndim", stored=True)
+    scale: qax.ArrayValue = qax.array_field(ndim="weight_ndim", stored=True)
 
     _ARRAYS = ("q", "scale")
 
@@ -259,8 +261,8 @@ class Int4Weight(_PackedFourBits):
       group_size: numbers per scale.
     """
 
-    packed: qax.ArrayValue = qax.array_field(ndim="weight_ndim")
-    scale: qax.ArrayValue = qax.array_field(ndim="weight_ndim")
+    packed: qax.ArrayValue = qax.array_field(ndim="weight_ndim", stored=True)
+    scale: qax.ArrayValue = qax.array_field(ndim="weight_ndim", stored=True)
     group_size: int = qax.aux_field(default=64)
 
     _ARRAYS = ("packed", "scale")
@@ -300,8 +302,8 @@ class NF4Weight(_PackedFourBits):
       block_size: numbers per block (64, as in QLoRA).
     """
 
-    packed: qax.ArrayValue = qax.array_field(ndim="weight_ndim")
-    absmax: qax.ArrayValue = qax.array_field(ndim="weight_ndim")
+    packed: qax.ArrayValue = qax.array_field(ndim="weight_ndim", stored=True)
+    absmax: qax.ArrayValue = qax.array_field(ndim="weight_ndim", stored=True)
     block_size: int = qax.aux_field(default=64)
 
     _ARRAYS = ("packed", "absmax")
