@@ -159,8 +159,17 @@ def hand_lora_linear(x, p):
     return x @ p["w"] + (x @ p["a"]) @ p["b"].T
 
 
-def make_loss(cfg: Config, linear: Callable, scan: bool) -> Callable:
-    """The model's next-token loss; every matmul against a weight goes through `linear`."""
+def make_loss(
+    cfg: Config, linear: Callable, scan: bool, layout: Callable | None = None
+) -> Callable:
+    """The model's next-token loss; every matmul against a weight goes through `linear`.
+
+    `layout(x, name)`, if given, is applied to the residual stream (``"residual"``,
+    after the embedding and after each block) and to the MLP's hidden activations
+    (``"hidden"``): a sharded program constrains its activations there (see
+    `bench_sharded.py`).
+    """
+    layout = layout or (lambda x, name: x)
 
     def layer_norm(x, p):
         mean = jnp.mean(x, axis=-1, keepdims=True)
@@ -178,7 +187,7 @@ def make_loss(cfg: Config, linear: Callable, scan: bool) -> Callable:
         return linear(out.reshape(B, T, D), p["wo"])
 
     def mlp(x, p):
-        h = jax.nn.gelu(linear(x, p["w1"]) + p["b1"])
+        h = layout(jax.nn.gelu(linear(x, p["w1"]) + p["b1"]), "hidden")
         return linear(h, p["w2"]) + p["b2"]
 
     def block(x, p):
@@ -188,12 +197,13 @@ def make_loss(cfg: Config, linear: Callable, scan: bool) -> Callable:
     def loss(params, tokens):
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         x = params["wte"][inputs] + params["wpe"][: inputs.shape[1]]
+        x = layout(x, "residual")
         if scan:
-            body = jax.checkpoint(lambda x, p: (block(x, p), None))
+            body = jax.checkpoint(lambda x, p: (layout(block(x, p), "residual"), None))
             x, _ = lax.scan(body, x, params["layers"])
         else:
             for p in params["layers"]:
-                x = block(x, p)
+                x = layout(block(x, p), "residual")
         logits = linear(layer_norm(x, params["ln_f"]), params["head"])
         logp = jax.nn.log_softmax(logits)
         return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))

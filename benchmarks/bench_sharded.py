@@ -1,8 +1,10 @@
 """LoRA and QLoRA training sharded over a 2x4 (data x model) mesh: qax vs hand-written.
 
-The GPT-style model of `bench_lora.py`, every matmul weight a rank-r LoRA (``lora``) or
-a LoRA over an int8 weight (``qlora``: int8 codes with one scale per output column).
-Two layouts, both over a ``("data", "model")`` mesh of 2 x 4 devices:
+The GPT-style model of `bench_lora.py`, every matmul weight a rank-r
+`qax.lora.LoraWeight` over the dense weight (``lora``) or over a `qax.quant` weight
+(``int8``: one scale per output column; ``int4`` and ``nf4``: two codes per byte, one
+scale per block of 64). Two layouts, both over a ``("data", "model")`` mesh of 2 x 4
+devices:
 
 - ``fsdp``: every weight matrix (and the token embedding) sharded along its first
   dimension over all 8 devices, the batch too;
@@ -11,15 +13,21 @@ Two layouts, both over a ``("data", "model")`` mesh of 2 x 4 devices:
   rest replicated), data parallelism over ``data``.
 
 The dense model's `PartitionSpec`s are written once; `qax.sharding.implicit_shardings`
-derives the shardings of the LoRA factors and quantization scales from them, as the
-types declare (`qax.array_field(..., follows=...)`). The hand-written variant holds the
-very same leaves (plain dicts) with the very same shardings, and computes
-``x @ w + (x @ a) @ b.T`` (``(x @ q) * scale`` for int8) itself. Both train steps
+derives the shardings of the LoRA factors, codes and scales from them, as the types
+declare. The hand-written variant holds the very same leaves (plain dicts) with the
+very same shardings, and computes ``x @ w + (x @ a) @ b`` itself, decoding quantized
+weights before the product as the `qax.quant` handlers do. Both train steps
 differentiate with respect to the factors, apply adam, and return the parameters
 (factors updated, base weights untouched) with in/out shardings given to `jax.jit`.
 
+The `qax.quant` types declare their codes and scales ``stored``: qax moves them between
+devices as stored and decodes after the move (see `qax.sharding`). Hand-written code
+does not get that: XLA decodes where the codes lie and moves the floats.
+
 Measured per (kind, layout): the collectives in the compiled (optimized) HLO, count
-and bytes by opcode, and the steady-state step time, qax vs hand-written.
+and bytes by opcode; the all-gather bytes of the base weights (results shaped like a
+dense weight, its codes or its scales); and the steady-state step time of qax, of the
+hand-written step and of hand-written LoRA (f32 base) side by side.
 
 Run from the repository root (the script sets the 8-device flag itself):
 
@@ -66,109 +74,144 @@ from _timing import (  # noqa: E402
 from bench_lora import (  # noqa: E402
     MATMUL_WEIGHTS,
     Config,
-    LoraMatrix,
     dense_linear,
     init_params,
-    lora_factors,
     make_loss,
-    with_factors,
 )
 
 import qax  # noqa: E402
 
 # ----------------------------------------------------------------------------------------
-# A quantized weight type (public qax API only): int8 codes, one scale per column
+# Parameters: built-in implicit types, and the same leaves as plain dicts
 
 
-@dataclasses.dataclass
-class Int8Matrix(qax.ImplicitArray):
-    """``q * scale``: int8 codes ``q [m, n]`` and float scales ``scale [n]``."""
-
-    q: qax.ArrayValue = qax.array_field(ndim=2, follows=(0, 1))
-    scale: qax.ArrayValue = qax.array_field(ndim=1, follows=(1,))
-
-    def compute_shape(self):
-        return self.q.shape
-
-    def compute_dtype(self):
-        return self.scale.dtype
-
-    def materialize(self):
-        return self.q.astype(self.scale.dtype) * self.scale
-
-    @classmethod
-    def from_array(cls, w: jax.Array) -> Int8Matrix:
-        absmax = jnp.max(jnp.abs(w), axis=0)
-        scale = jnp.where(absmax > 0, absmax / 127, 1.0).astype(w.dtype)
-        return cls(jnp.round(w / scale).astype(jnp.int8), scale)
-
-
-def _plain_matmul(x: Any, w: Any, dimension_numbers: Any) -> bool:
-    (lc, rc), (lb, rb) = dimension_numbers
-    return w.ndim == 2 and tuple(lc) == (x.ndim - 1,) and tuple(rc) == (0,) and not lb
-
-
-@qax.primitive_handler("dot_general")
-def int8_matmul(primitive, x: jax.Array, w: Int8Matrix, *, dimension_numbers, **params):
-    if not _plain_matmul(x, w, dimension_numbers):
-        return NotImplemented
-    params = dict(params, dimension_numbers=dimension_numbers)
-    return qax.default_handler(primitive, x, w.q.astype(x.dtype), **params) * w.scale
-
-
-# ----------------------------------------------------------------------------------------
-# Parameters: implicit (LoRA / QLoRA) and the same leaves as plain dicts
-
-
-KINDS = ("lora", "qlora")
+KINDS = ("lora", "int8", "int4", "nf4")
+QUANTIZED = ("int8", "int4", "nf4")
 LAYOUTS = ("fsdp", "megatron")
 AXES = ("data", "model")
+BLOCK = 64  # numbers per scale of the 4-bit formats
+# LoRA rank: 32, so that no factor has the shape of a block scale ([m, n / 64]), and
+# the all-gathers of the base weights are told apart by their shapes.
+RANK = 32
+LoraWeight = qax.lora.LoraWeight
 
 
-def implicit_params(cfg: Config, kind: str, key: jax.Array) -> tuple[dict, dict]:
-    """The dense parameters, and the same with every matmul weight a LoRA (over int8
-    codes for ``qlora``); ``b`` is random so that the factors' gradients are not
-    trivially zero."""
-    key_params, key_lora = jax.random.split(key)
-    dense = init_params(cfg, key_params, stacked=False)
+def with_lora(
+    dense: dict, kind: str, rng: np.random.Generator, rank: int, block: int = BLOCK
+) -> dict:
+    """`dense` with every matmul weight a `LoraWeight` over the weight (``lora``) or
+    over its `qax.quant` format (`kind`, 4-bit formats with `block` numbers per
+    scale); ``b`` is random so that the factors' gradients are not trivially zero."""
+    options = {"int4": {"group_size": block}, "nf4": {"block_size": block}}
 
     def convert(path, w):
         if getattr(path[-1], "key", None) not in MATMUL_WEIGHTS:
             return w
-        k = jax.random.fold_in(key_lora, len(jax.tree_util.keystr(path)))
-        ka, kb = jax.random.split(jax.random.fold_in(k, w.shape[0] * w.shape[1]))
-        a = 0.02 * jax.random.normal(ka, (w.shape[0], cfg.rank), w.dtype)
-        b = 0.02 * jax.random.normal(kb, (w.shape[1], cfg.rank), w.dtype)
-        base = Int8Matrix.from_array(w) if kind == "qlora" else w
-        return LoraMatrix(base, a, b)
+        a = jnp.asarray(0.02 * rng.standard_normal((w.shape[0], rank)), w.dtype)
+        b = jnp.asarray(0.02 * rng.standard_normal((rank, w.shape[1])), w.dtype)
+        if kind != "lora":
+            w = qax.quant.quantize(
+                w, kind, filter=lambda *_: True, **options.get(kind, {})
+            )
+        return LoraWeight(w, a, b)
 
-    return dense, jax.tree_util.tree_map_with_path(convert, dense)
+    return jax.tree_util.tree_map_with_path(convert, dense)
+
+
+def implicit_params(cfg: Config, kind: str, seed: int = 0) -> tuple[dict, dict]:
+    """The dense parameters and the same with every matmul weight a `LoraWeight`."""
+    dense = jax.jit(init_params, static_argnums=(0, 2))(
+        cfg, jax.random.PRNGKey(seed), False
+    )
+    return dense, with_lora(dense, kind, np.random.default_rng(seed), cfg.rank)
 
 
 def _implicit(x: Any) -> bool:
-    return isinstance(x, qax.ImplicitArray)
+    return isinstance(x, qax.ImplicitBase)
+
+
+# The leaves of each quantized type, by field name, as the hand-written dicts hold them.
+_STORED = {
+    qax.quant.Int8Weight: ("q", "scale"),
+    qax.quant.Int4Weight: ("packed", "scale"),
+    qax.quant.NF4Weight: ("packed", "absmax"),
+}
 
 
 def to_hand(tree: Any) -> Any:
-    """The same leaves in plain dicts: ``{"w", "a", "b"}``, int8 as ``{"q", "scale"}``.
+    """The same leaves in plain dicts: ``{"w", "a", "b"}``, a quantized ``w`` as the
+    dict of its fields (``{"q", "scale"}``, ``{"packed", "scale"}`` for int4,
+    ``{"packed", "absmax"}`` for nf4).
 
     Works on parameters and on trees of shardings or specs shaped like them."""
 
     def convert(x):
-        if isinstance(x, LoraMatrix):
+        if isinstance(x, LoraWeight):
             return {"w": convert(x.w), "a": x.a, "b": x.b}
-        if isinstance(x, Int8Matrix):
-            return {"q": x.q, "scale": x.scale}
+        if type(x) in _STORED:
+            return {name: getattr(x, name) for name in _STORED[type(x)]}
         return x
 
     return jax.tree_util.tree_map(convert, tree, is_leaf=_implicit)
 
 
+def _unpack(packed: jax.Array) -> jax.Array:
+    """Two 4-bit codes per byte, the even element in the low nibble."""
+    codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1)
+    return codes.reshape(*packed.shape[:-1], -1)
+
+
+def _per_block(values: jax.Array, scale: jax.Array) -> jax.Array:
+    """``values`` times one scale per block along the last axis (blocks of equal size)."""
+    blocks = values.reshape(*scale.shape, -1) * scale[..., None]
+    return blocks.reshape(values.shape)
+
+
+def hand_decode(w: Any, dtype: Any) -> jax.Array:
+    """The dense weight of a hand-written quantized dict (a dense weight unchanged)."""
+    if not isinstance(w, dict):
+        return w
+    if "q" in w:
+        return w["q"].astype(dtype) * w["scale"]
+    if "scale" in w:
+        return _per_block(
+            (_unpack(w["packed"]).astype(jnp.int32) - 8).astype(dtype), w["scale"]
+        )
+    levels = jnp.asarray(qax.quant.NF4_LEVELS, dtype)[_unpack(w["packed"])]
+    return _per_block(levels, w["absmax"])
+
+
 def hand_linear(x: jax.Array, p: dict) -> jax.Array:
-    """Hand-written (Q)LoRA: ``x @ w + (x @ a) @ b.T``, ``x @ w = (x @ q) * scale``."""
-    w = p["w"]
-    base = (x @ w["q"].astype(x.dtype)) * w["scale"] if isinstance(w, dict) else x @ w
-    return base + (x @ p["a"]) @ p["b"].T
+    """Hand-written (Q)LoRA: ``x @ w + (x @ a) @ b``, a quantized ``w`` decoded first."""
+    return x @ hand_decode(p["w"], x.dtype) + (x @ p["a"]) @ p["b"]
+
+
+def _is_hand_lora(x: Any) -> bool:
+    return isinstance(x, dict) and set(x) == {"w", "a", "b"}
+
+
+def hand_split(params: Any) -> tuple[Any, Any]:
+    """`qax.lora.split` for the hand-written dicts: (factors, everything)."""
+    adapters = jax.tree_util.tree_map(
+        lambda x: {"a": x["a"], "b": x["b"]} if _is_hand_lora(x) else None,
+        params,
+        is_leaf=_is_hand_lora,
+    )
+    return adapters, params
+
+
+def hand_combine(adapters: Any, params: Any) -> Any:
+    """`qax.lora.combine` for the hand-written dicts."""
+    return jax.tree_util.tree_map(
+        lambda ad, x: x if ad is None else {"w": x["w"], **ad},
+        adapters,
+        params,
+        is_leaf=lambda x: x is None or (isinstance(x, dict) and set(x) == {"a", "b"}),
+    )
+
+
+QAX = (qax.lora.split, qax.lora.combine)
+HAND = (hand_split, hand_combine)
 
 
 def dense_specs(dense: dict, layout: str) -> tuple[dict, P]:
@@ -205,17 +248,16 @@ def make_mesh() -> jax.sharding.Mesh:
     return jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), AXES)
 
 
-def make_step(loss: Callable) -> Callable:
+def make_step(loss: Callable, split: Callable, combine: Callable) -> Callable:
     """(params, opt_state, tokens) -> (params, opt_state, loss); only the factors move."""
 
     def step(params, opt_state, tokens):
-        trainable = lora_factors(params)
-        value, grads = jax.value_and_grad(
-            lambda t: loss(with_factors(params, t), tokens)
-        )(trainable)
-        updates, opt_state = OPTIMIZER.update(grads, opt_state, trainable)
-        new = with_factors(params, optax.apply_updates(trainable, updates))
-        return new, opt_state, value
+        adapters, base = split(params)
+        value, grads = jax.value_and_grad(lambda ad: loss(combine(ad, base), tokens))(
+            adapters
+        )
+        updates, opt_state = OPTIMIZER.update(grads, opt_state, adapters)
+        return combine(optax.apply_updates(adapters, updates), base), opt_state, value
 
     return step
 
@@ -238,43 +280,67 @@ class Setup:
         return jax.device_put(self.args, self.in_shardings)
 
 
-def build(cfg: Config, kind: str, layout: str, mesh: jax.sharding.Mesh) -> dict:
-    """``{"qax": Setup, "hand": Setup}`` for one kind and layout, same leaves/shardings."""
-    key_params, key_tokens = jax.random.split(jax.random.PRNGKey(0))
-    dense, params = jax.jit(implicit_params, static_argnums=(0, 1))(
-        cfg, kind, key_params
-    )
-    tokens = jax.random.randint(key_tokens, (cfg.batch, cfg.seq + 1), 0, cfg.vocab)
+def build(
+    cfg: Config,
+    params: tuple[dict, dict],
+    layout: str,
+    mesh: jax.sharding.Mesh,
+    tokens: jax.Array,
+) -> dict:
+    """``{"qax": Setup, "hand": Setup}`` for one kind's ``(dense, implicit)`` params
+    and a layout: the same leaves with the same shardings."""
+    dense, implicit = params
     specs, token_spec = dense_specs(dense, layout)
-    shardings = qax.sharding.implicit_shardings(params, specs, mesh)
+    shardings = qax.sharding.implicit_shardings(implicit, specs, mesh)
     replicated = NamedSharding(mesh, P())
     token_sharding = NamedSharding(mesh, token_spec)
-    dense_loss = make_loss(cfg, dense_linear, scan=False)
+    activations = {
+        "residual": NamedSharding(mesh, P(*token_spec, None, None)),
+        "hidden": NamedSharding(
+            mesh, P(*token_spec, None, "model" if layout == "megatron" else None)
+        ),
+    }
+
+    def constrain(x, name):  # activations laid out as FSDP / Megatron code lays them
+        return jax.lax.with_sharding_constraint(x, activations[name])
+
+    dense_loss = make_loss(cfg, dense_linear, scan=False, layout=constrain)
     out = {}
-    for name, tree, sh, loss in (
-        ("qax", params, shardings, qax.use_implicit_args(dense_loss)),
+    for name, tree, sh, loss, (split, combine) in (
+        ("qax", implicit, shardings, qax.use_implicit_args(dense_loss), QAX),
         (
             "hand",
-            to_hand(params),
+            to_hand(implicit),
             to_hand(shardings),
-            make_loss(cfg, hand_linear, False),
+            hand_loss(cfg, constrain),
+            HAND,
         ),
     ):
-        opt_state = OPTIMIZER.init(lora_factors(tree))
+        opt_state = OPTIMIZER.init(split(tree)[0])
         opt_sh = optax.tree_map_params(
             OPTIMIZER,
             lambda _p, s: s,
             opt_state,
-            lora_factors(sh),
+            split(sh)[0],
             transform_non_params=lambda _: replicated,
         )
         out[name] = Setup(
-            make_step(loss),
+            make_step(loss, split, combine),
             (tree, opt_state, tokens),
             (sh, opt_sh, token_sharding),
             (sh, opt_sh, replicated),
         )
     return out
+
+
+def hand_loss(cfg: Config, layout: Callable | None = None) -> Callable:
+    return make_loss(cfg, hand_linear, scan=False, layout=layout)
+
+
+def make_tokens(cfg: Config, seed: int = 1) -> jax.Array:
+    return jax.random.randint(
+        jax.random.PRNGKey(seed), (cfg.batch, cfg.seq + 1), 0, cfg.vocab
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -313,6 +379,52 @@ def collectives(hlo_text: str) -> dict[str, tuple[int, int]]:
     return {op: (found[op][0], found[op][1]) for op in COLLECTIVES}
 
 
+def base_shapes(implicit: Any) -> set[tuple[int, ...]]:
+    """The shapes of the base weights of every `LoraWeight` in `implicit`: the dense
+    weight's, and those of its codes and scales when it is quantized.
+
+    Raises:
+      ValueError: a LoRA factor has one of those shapes (its gathers would count).
+    """
+    shapes, factors = set(), set()
+    for x in jax.tree_util.tree_leaves(
+        implicit, is_leaf=lambda y: isinstance(y, LoraWeight)
+    ):
+        if isinstance(x, LoraWeight):
+            shapes.add(tuple(x.w.shape))
+            shapes.update(tuple(leaf.shape) for leaf in jax.tree_util.tree_leaves(x.w))
+            factors.update((tuple(x.a.shape), tuple(x.b.shape)))
+    if shapes & factors:
+        raise ValueError(
+            f"LoRA factors of shapes {sorted(shapes & factors)} look like base weights "
+            "in the HLO: pick another rank."
+        )
+    return shapes
+
+
+def gathered_bytes(hlo_text: str, shapes: set[tuple[int, ...]]) -> dict[str, int]:
+    """``{element type: bytes}`` of the all-gather results in optimized HLO whose
+    shape is one of `shapes` (the base weights', see `base_shapes`)."""
+    found: dict[str, int] = collections.Counter()
+    for line in hlo_text.splitlines():
+        match = _COLLECTIVE.search(line)
+        if (
+            not match
+            or match.group(2) != "all-gather"
+            or line.lstrip().startswith("//")
+        ):
+            continue
+        for dtype, dims in _ARRAY.findall(match.group(1)):
+            shape = tuple(int(d) for d in dims.split(",") if d)
+            if shape in shapes:
+                found[dtype] += _nbytes(f"{dtype}[{dims}]")
+    return dict(found)
+
+
+def _types(by_type: dict[str, int]) -> str:
+    return ", ".join(sorted(by_type)) or "-"
+
+
 # ----------------------------------------------------------------------------------------
 # Benchmark
 
@@ -325,23 +437,29 @@ def main(argv: list[str] | None = None) -> None:
     if jax.device_count() < 8:
         raise SystemExit("needs 8 devices: run as a script (it sets XLA_FLAGS itself)")
     if args.quick:
-        cfg, reps = Config(n_layers=2, d_model=64, d_ff=256, seq=16, batch=8), 5
+        # (d_model 256: four blocks of 64 per row, so that columns split four ways)
+        cfg = Config(n_layers=1, d_model=256, d_ff=256, seq=16, batch=8, rank=RANK)
+        reps = 3
     else:
-        cfg, reps = Config(batch=8), 15
+        cfg, reps = Config(batch=8, rank=RANK), 7
     mesh = make_mesh()
+    tokens = make_tokens(cfg)
     print(f"JAX {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} ")
     print(f"devices on {os.cpu_count()} CPUs; mesh {dict(mesh.shape)}; model: {cfg}\n")
 
-    comm_rows, time_rows, notes = [], [], []
-    for kind in KINDS:
-        for layout in LAYOUTS:
+    comm_rows, base_rows, time_rows, notes = [], [], [], []
+    for layout in LAYOUTS:
+        lora_bytes, lora_step = None, None
+        for kind in KINDS:
             print(f"{kind} / {layout} ...", file=sys.stderr)
-            setups = build(cfg, kind, layout, mesh)
+            params = implicit_params(cfg, kind)
+            setups = build(cfg, params, layout, mesh, tokens)
             placed = {n: s.placed() for n, s in setups.items()}
             compiled = {
                 n: s.jitted().lower(*placed[n]).compile() for n, s in setups.items()
             }
-            comm = {n: collectives(c.as_text()) for n, c in compiled.items()}
+            texts = {n: c.as_text() for n, c in compiled.items()}
+            comm = {n: collectives(t) for n, t in texts.items()}
             total = {n: [0, 0] for n in comm}
             for op in COLLECTIVES:
                 (qc, qb), (hc, hb) = comm["qax"][op], comm["hand"][op]
@@ -359,14 +477,35 @@ def main(argv: list[str] | None = None) -> None:
             if qb > hb:
                 notes.append(f"{kind}/{layout}: qax moves MORE bytes than hand-written")
 
-            times = interleaved(
-                {
-                    n: (lambda f=compiled[n], a=placed[n]: jax.block_until_ready(f(*a)))
-                    for n in setups
-                },
-                reps,
-                warmup=2,
+            shapes = base_shapes(params[1])
+            base = {n: gathered_bytes(t, shapes) for n, t in texts.items()}
+            sums = {n: sum(b.values()) for n, b in base.items()}
+            if kind == "lora":
+                lora_bytes = sums["hand"]
+                lora_step = (compiled["hand"], placed["hand"])
+            fraction = (
+                f"1/{lora_bytes / sums['qax']:.2f}"
+                if sums["qax"] and lora_bytes
+                else "-"
             )
+            base_rows.append(
+                [
+                    kind,
+                    layout,
+                    f"{sums['hand']:,} ({_types(base['hand'])})",
+                    f"{sums['qax']:,} ({_types(base['qax'])})",
+                    fraction,
+                ]
+            )
+
+            runs = {
+                n: (lambda f=compiled[n], a=placed[n]: jax.block_until_ready(f(*a)))
+                for n in setups
+            }
+            if kind != "lora":
+                f, a = lora_step
+                runs["hand lora"] = lambda f=f, a=a: jax.block_until_ready(f(*a))
+            times = interleaved(runs, reps, warmup=2)
             time_rows.append(
                 [
                     kind,
@@ -374,6 +513,9 @@ def main(argv: list[str] | None = None) -> None:
                     fmt_seconds(median(times["hand"])),
                     fmt_seconds(median(times["qax"])),
                     f"{paired_ratio(times, 'qax', 'hand'):.3f}",
+                    "-"
+                    if kind == "lora"
+                    else f"{paired_ratio(times, 'qax', 'hand lora'):.3f}",
                 ]
             )
 
@@ -392,10 +534,16 @@ def main(argv: list[str] | None = None) -> None:
             comm_rows,
         )
     )
+    print("\n### All-gather bytes of the base weights (element types)\n")
+    print(
+        markdown_table(
+            ["kind", "layout", "hand-written", "qax", "qax / LoRA's f32"], base_rows
+        )
+    )
     print(f"\n### Steady-state train step time (median of {reps})\n")
     print(
         markdown_table(
-            ["kind", "layout", "hand-written", "qax", "qax/hand"],
+            ["kind", "layout", "hand-written", "qax", "qax/hand", "qax/hand LoRA"],
             time_rows,
         )
     )

@@ -100,6 +100,12 @@ def varying_axes(aval) -> frozenset:
     return manual.varying if manual is not None else frozenset()
 
 
+def tracks_varying_axes() -> bool:
+    """Whether the `shard_map` being traced checks which axes values vary over
+    (``check_vma=True``, JAX's default); without it every value looks invariant."""
+    return bool(_config._check_vma.value)
+
+
 def varying_aval(shape, dtype, reference, axes: frozenset) -> ShapedArray:
     """An aval of `shape`/`dtype` in `reference`'s `shard_map` context, varying over `axes`.
 

@@ -378,3 +378,19 @@ SHARD_MAP_SPLITS: Final = (
     "`shard_map` splits this {cls} by the partition spec {spec}: {message}; or pass it "
     "replicated (`P()`). It is materialized."
 )
+
+ALL_GATHER_NEW_AXIS: Final = (
+    "`all_gather` (tiled=False, axis={dim}) stacks the gathered {cls} values on a new "
+    "axis; that stays implicit only on a new axis 0 of a type that declares its "
+    "batch axes (`qax.array_field(ndim=...)` on every field). It is materialized; "
+    "gather with tiled=True, or along axis 0."
+)
+
+ALL_GATHER_KEPT_LEAF: Final = (
+    "`all_gather` along dimension {dim} of this {cls} gathers the leaves that run along "
+    "that dimension and keeps the others, which is right only if they are the same on "
+    "every device of {axes}; a leaf of shape {shape} may differ between them (it varies "
+    "over those axes, or `shard_map` was called with check_vma=False, so nothing says). "
+    "It is materialized; with check_vma=True (the default) and that leaf replicated "
+    "over {axes}, it stays implicit."
+)

@@ -298,12 +298,15 @@ def has_default_rule(cls: type) -> bool:
     return cls.default_handler.__func__ is not _BASE_DEFAULT_HANDLER
 
 
-def materialize_and_bind(trace: ImplicitTrace, primitive: Primitive, vals, params):
-    """Step 5 of `apply_primitive`: densify the implicit operands and run `primitive`."""
+def materialize_and_bind(
+    trace: ImplicitTrace, primitive: Primitive, vals, params, reason: str | None = None
+):
+    """Step 5 of `apply_primitive`: densify the implicit operands and run `primitive`
+    (`reason`: why, for the report, when a rule gives up)."""
     dense = []
     for v in vals:
         if isinstance(v, ImplicitBase):
-            report_materialization(primitive.name, v)
+            report_materialization(primitive.name, v, reason)
             v = materialize_one_layer(trace, v)
         dense.append(v)
     return _bind_dense(trace, primitive, dense, params)

@@ -1,7 +1,9 @@
-"""Rules for `shard_map` and for the primitives that only annotate or move values.
+"""Rules for `shard_map`, `all_gather` and the primitives that only annotate or move values.
 
 `shard_map` splits the leaves of implicit operands by the specs their types declare
-(`qax._partition`); an operand whose type does not declare how is materialized.
+(`qax._partition`); an operand whose type does not declare how is materialized. Inside
+it, `all_gather` of an implicit array gathers the leaves that run along the gathered
+dimension, as stored (int8 codes stay int8), and keeps the others.
 Annotating primitives (`pvary`, `sharding_constraint`, `name`, `optimization_barrier`,
 `copy`, `device_put`, `stop_gradient`) are applied to the leaves of an implicit operand,
 and the implicit array is rebuilt around the results.
@@ -18,6 +20,8 @@ from jax.sharding import PartitionSpec
 
 from .. import _dispatch, _errors
 from .._base import NB, ImplicitBase
+from .._base import is_implicit
+from .._batching import stack_like, stackable
 from .._compat import (
     bind_with_trace,
     flatten_ft,
@@ -26,11 +30,13 @@ from .._compat import (
     pvary_p,
     set_current_trace,
     shard_map_p,
+    tracks_varying_axes,
     typeof,
+    varying_axes,
 )
 from .._entry import densify
-from .._fields import rebuild
-from .._interpreter import ImplicitTrace
+from .._fields import children_of, rebuild
+from .._interpreter import ImplicitTrace, materialize_and_bind
 from .._partition import Undeclared, child_specs, first_undeclared, leaf_specs
 from ._staging import (
     _enter,
@@ -138,6 +144,84 @@ def _shard_map_rule(trace, primitive, fun, vals, params):
 
 if shard_map_p is not None:
     _dispatch.function_rules[shard_map_p] = _shard_map_rule
+
+
+# ----------------------------------------------------------------------------------------
+# all_gather inside shard_map: leaf by leaf, as the type declares
+
+# Marks the gathered dimension in a spec, to find the leaf dimensions that run along it.
+_GATHERED = "qax: gathered"
+
+
+def _all_gather_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> Any:
+    """`all_gather` of an implicit array: each leaf gathered along its own dimension
+    that runs along the gathered one (stacked on a new axis 0: every leaf stacked).
+
+    Leaves that do not run along it are kept, which is right when they are the same on
+    every device of the axis (`shard_map` tracks that with ``check_vma=True``, its
+    default). Otherwise, and for a dimension a field declares nothing about, the value
+    is materialized first (with the reason).
+    """
+    (x,) = vals
+    gathered = _gather_leaves(trace, primitive, x, params)
+    if isinstance(gathered, str):
+        return materialize_and_bind(trace, primitive, vals, params, reason=gathered)
+    return gathered
+
+
+def _gather_leaves(trace: ImplicitTrace, primitive, x: ImplicitBase, params: dict):
+    """The gathered implicit array, or why it cannot be gathered leaf by leaf."""
+    axes = params["axis_name"]
+    axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+    dim, n = params["all_gather_dimension"], params["axis_size"]
+    leaves, tree = jax.tree_util.tree_flatten(x)
+
+    def gather(leaf, leaf_dim, tiled):
+        leaf_params = dict(params, all_gather_dimension=leaf_dim, tiled=tiled)
+        return bind_with_trace(trace.parent_trace, primitive, [leaf], leaf_params)
+
+    if not params["tiled"]:  # a new axis
+        if dim != 0 or not stackable(x):
+            return _errors.ALL_GATHER_NEW_AXIS.format(cls=type(x).__name__, dim=dim)
+        return stack_like(x, [gather(leaf, 0, False) for leaf in leaves], n)
+    specs = leaf_specs(x, PartitionSpec(*([None] * dim), _GATHERED))
+    missing = first_undeclared(specs)
+    if missing is not None:
+        return missing.message
+    out = []
+    for leaf, spec in zip(leaves, specs, strict=True):
+        runs_along = [i for i, entry in enumerate(spec) if entry == _GATHERED]
+        if runs_along:
+            out.append(gather(leaf, runs_along[0], True))
+            continue
+        varying = varying_axes(typeof(leaf))
+        if not tracks_varying_axes() or any(a in varying for a in axes):
+            return _errors.ALL_GATHER_KEPT_LEAF.format(
+                cls=type(x).__name__, dim=dim, axes=axes, shape=tuple(leaf.shape)
+            )
+        out.append(leaf)
+    return _regrown(x, PartitionSpec(*([None] * dim), _GATHERED), iter(out), n)
+
+
+def _regrown(x: Any, spec: PartitionSpec, leaves: Any, n: int) -> Any:
+    """`x` around the next of `leaves`, its (and its implicit fields') dimensions that
+    run along the marked one `n` times longer."""
+    if not is_implicit(x):
+        return next(leaves)
+    children = {}
+    specs = child_specs(x, spec)
+    for name, child in children_of(x).items():
+        children[name] = jax.tree_util.tree_map(
+            lambda y, s=specs[name]: _regrown(y, s, leaves, n),
+            child,
+            is_leaf=is_implicit,
+        )
+    entries = (*spec, *([None] * (len(x.shape) - len(spec))))
+    shape = tuple(d * n if e == _GATHERED else d for d, e in zip(x.shape, entries))
+    return rebuild(x, children, shape, x.__dict__.get(NB, 0))
+
+
+_dispatch.primitive_rules[jax.lax.all_gather_p] = _all_gather_rule
 
 
 # ----------------------------------------------------------------------------------------
