@@ -384,28 +384,33 @@ def base_shapes(implicit: Any) -> set[tuple[int, ...]]:
     weight's, and those of its codes and scales when it is quantized.
 
     Raises:
-      ValueError: a LoRA factor has one of those shapes (its gathers would count).
+      ValueError: a LoRA factor or another array has one of those shapes (its gathers
+        would count).
     """
-    shapes, factors = set(), set()
+    shapes, others = set(), set()
     for x in jax.tree_util.tree_leaves(
         implicit, is_leaf=lambda y: isinstance(y, LoraWeight)
     ):
         if isinstance(x, LoraWeight):
             shapes.add(tuple(x.w.shape))
             shapes.update(tuple(leaf.shape) for leaf in jax.tree_util.tree_leaves(x.w))
-            factors.update((tuple(x.a.shape), tuple(x.b.shape)))
-    if shapes & factors:
+            others.update((tuple(x.a.shape), tuple(x.b.shape)))
+        else:
+            others.add(tuple(x.shape))
+    if shapes & others:
         raise ValueError(
-            f"LoRA factors of shapes {sorted(shapes & factors)} look like base weights "
-            "in the HLO: pick another rank."
+            f"arrays of shapes {sorted(shapes & others)} look like base weights in the "
+            "HLO: pick another rank or size."
         )
     return shapes
 
 
-def gathered_bytes(hlo_text: str, shapes: set[tuple[int, ...]]) -> dict[str, int]:
-    """``{element type: bytes}`` of the all-gather results in optimized HLO whose
-    shape is one of `shapes` (the base weights', see `base_shapes`)."""
-    found: dict[str, int] = collections.Counter()
+def gathered_arrays(
+    hlo_text: str, shapes: set[tuple[int, ...]]
+) -> dict[tuple[str, tuple[int, ...]], int]:
+    """``{(element type, shape): bytes}`` of the all-gather results in optimized HLO
+    whose shape is one of `shapes` (the base weights', see `base_shapes`)."""
+    found: dict = collections.Counter()
     for line in hlo_text.splitlines():
         match = _COLLECTIVE.search(line)
         if (
@@ -417,7 +422,15 @@ def gathered_bytes(hlo_text: str, shapes: set[tuple[int, ...]]) -> dict[str, int
         for dtype, dims in _ARRAY.findall(match.group(1)):
             shape = tuple(int(d) for d in dims.split(",") if d)
             if shape in shapes:
-                found[dtype] += _nbytes(f"{dtype}[{dims}]")
+                found[dtype, shape] += _nbytes(f"{dtype}[{dims}]")
+    return dict(found)
+
+
+def gathered_bytes(hlo_text: str, shapes: set[tuple[int, ...]]) -> dict[str, int]:
+    """``{element type: bytes}`` of `gathered_arrays`."""
+    found: dict[str, int] = collections.Counter()
+    for (dtype, _), n in gathered_arrays(hlo_text, shapes).items():
+        found[dtype] += n
     return dict(found)
 
 

@@ -27,6 +27,7 @@ from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import mlir as _mlir
 from jax._src.interpreters import partial_eval as _pe
+from jax._src.lax import parallel as _parallel
 from jax._src.lax.control_flow.common import _merge_common_consts
 from jax._src.lib.mlir.dialects import sdy as _sdy
 from jax._src.shard_map import shard_map_p as shard_map_p
@@ -98,6 +99,12 @@ def varying_axes(aval) -> frozenset:
     """The `shard_map` mesh axes that values of `aval` vary over (empty outside)."""
     manual = getattr(aval, "manual_axis_type", None)
     return manual.varying if manual is not None else frozenset()
+
+
+def insert_collective_pvary(axes: tuple, x):
+    """`x`, made to vary over `axes` where it does not (as JAX's collectives do to their
+    operands inside `shard_map`); `x` itself without varying-axes checks."""
+    return _parallel.insert_collective_pvary(axes, x)
 
 
 def tracks_varying_axes() -> bool:

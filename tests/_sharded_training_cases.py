@@ -1,11 +1,12 @@
 """LoRA / QLoRA training sharded over a 2x4 mesh, run by `test_sharding.py` on 8 devices.
 
 The model is the GPT-style one of `benchmarks/bench_lora.py` (small sizes here), with
-the built-in types: every matmul weight a `qax.lora.LoraWeight`, over a
-`qax.quant.Int8Weight` for QLoRA, trained with `qax.lora.split` / `combine`. The
-sharded setup (the dense specs, the mesh, the collectives count) is that of
+the built-in types: every matmul weight a `qax.lora.LoraWeight`, over a `qax.quant`
+weight for QLoRA (``int8``, ``int4``, ``nf4``), trained with `qax.lora.split` /
+`combine`. The sharded setup (the dense specs, the activation layouts, the mesh, the
+collectives count, the hand-written variant with the same leaves) is that of
 `benchmarks/bench_sharded.py`. The oracle is the same step on one device, and a
-hand-written LoRA step with the same leaves and shardings.
+hand-written step with the same leaves and shardings.
 
 Run directly with `XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest
 tests/_sharded_training_cases.py`; without 8 devices every case is skipped.
@@ -15,7 +16,6 @@ import functools
 import gc
 import pathlib
 import sys
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -36,16 +36,20 @@ import bench_sharded as bs  # noqa: E402
 from bench_lora import MATMUL_WEIGHTS, Config, dense_linear, init_params  # noqa: E402
 from bench_lora import make_loss as model_loss  # noqa: E402
 
+# Rank 3 and 96 tokens: no LoRA factor or other array has the shape of a base weight,
+# its codes or its block scales ([m, n / 8]), so the base weights' all-gathers are told
+# apart by their shapes (`bs.base_shapes`).
 CFG = Config(
-    n_layers=1, d_model=32, n_heads=4, d_ff=64, vocab=64, seq=8, batch=8, rank=4
+    n_layers=1, d_model=32, n_heads=4, d_ff=64, vocab=96, seq=8, batch=8, rank=3
 )
+BLOCK = 8  # numbers per scale of the 4-bit formats (columns split four ways stay whole)
 MESH = bs.make_mesh()
 LoraWeight, Int8Weight = qax.lora.LoraWeight, qax.quant.Int8Weight
 # Each kind once per layout would be 4 sharded compiles per variant; the two
-# diagonal cases cover both kinds and both layouts (the benchmark runs all four).
-CASES = [("lora", "fsdp"), ("qlora", "megatron")]
+# diagonal cases cover both kinds and both layouts (the benchmark runs all of them).
+CASES = [("lora", "fsdp"), ("int8", "megatron")]
 # Shapes of the weight matrices: no float array of these shapes may be computed.
-WEIGHT_SHAPES = {(32, 32), (32, 64), (64, 32)}
+WEIGHT_SHAPES = {(32, 32), (32, 64), (64, 32), (32, 96)}
 
 
 def close(got, want):
@@ -56,19 +60,14 @@ def close(got, want):
 
 
 # ----------------------------------------------------------------------------------------
-# Parameters: built-in implicit types, and the same leaves as plain dicts
+# Parameters and setups (the benchmark's, at the sizes above)
 
 
-_quantize = jax.jit(Int8Weight.from_array)  # one compile per shape, not per op
-
-
-def implicit_params(kind: str, seed: int = 0) -> tuple[dict, dict]:
-    """The dense parameters (of `init_params`' structure; numpy's generator is
-    cheaper here than compiling JAX's), and the same with every matmul weight a
-    `LoraWeight` (over an `Int8Weight` for ``qlora``); ``b`` is random so that the
-    factors' gradients are not trivially zero."""
+def dense_params(seed: int = 0, stacked: bool = False) -> dict:
+    """Parameters of `init_params`' structure (numpy's generator is cheaper here than
+    compiling JAX's)."""
     rng = np.random.default_rng(seed)
-    shapes = jax.eval_shape(lambda: init_params(CFG, jax.random.PRNGKey(0), False))
+    shapes = jax.eval_shape(lambda: init_params(CFG, jax.random.PRNGKey(0), stacked))
 
     def init(path, x):
         name = getattr(path[-1], "key", None)
@@ -78,152 +77,51 @@ def implicit_params(kind: str, seed: int = 0) -> tuple[dict, dict]:
             return jnp.zeros(x.shape, x.dtype)
         return jnp.asarray(0.02 * rng.standard_normal(x.shape), x.dtype)
 
-    def convert(path, w):
-        if getattr(path[-1], "key", None) not in MATMUL_WEIGHTS:
-            return w
-        a = jnp.asarray(0.02 * rng.standard_normal((w.shape[0], CFG.rank)), w.dtype)
-        b = jnp.asarray(0.02 * rng.standard_normal((CFG.rank, w.shape[1])), w.dtype)
-        return LoraWeight(_quantize(w) if kind == "qlora" else w, a, b)
-
-    dense = jax.tree_util.tree_map_with_path(init, shapes)
-    return dense, jax.tree_util.tree_map_with_path(convert, dense)
+    return jax.tree_util.tree_map_with_path(init, shapes)
 
 
-def _implicit(x) -> bool:
-    return isinstance(x, qax.ImplicitBase)
-
-
-def to_hand(tree):
-    """The same leaves in plain dicts: ``{"w", "a", "b"}``, int8 as ``{"q", "scale"}``.
-
-    Works on parameters and on trees of shardings shaped like them."""
-
-    def convert(x):
-        if isinstance(x, LoraWeight):
-            return {"w": convert(x.w), "a": x.a, "b": x.b}
-        if isinstance(x, Int8Weight):
-            return {"q": x.q, "scale": x.scale}
-        return x
-
-    return jax.tree_util.tree_map(convert, tree, is_leaf=_implicit)
-
-
-def hand_linear(x, p):
-    """Hand-written (Q)LoRA as the built-in handlers compute it: the int8 weight
-    decoded inside the product, then ``x @ w + (x @ a) @ b``."""
-    w = p["w"]
-    if isinstance(w, dict):
-        w = w["q"].astype(x.dtype) * w["scale"]
-    return x @ w + (x @ p["a"]) @ p["b"]
-
-
-def _is_hand_lora(x) -> bool:
-    return isinstance(x, dict) and set(x) == {"w", "a", "b"}
-
-
-def hand_split(params):
-    """`qax.lora.split` for the hand-written dicts."""
-    adapters = jax.tree_util.tree_map(
-        lambda x: {"a": x["a"], "b": x["b"]} if _is_hand_lora(x) else None,
-        params,
-        is_leaf=_is_hand_lora,
-    )
-    return adapters, params
-
-
-def hand_combine(adapters, params):
-    return jax.tree_util.tree_map(
-        lambda ad, x: x if ad is None else {"w": x["w"], **ad},
-        adapters,
-        params,
-        is_leaf=lambda x: x is None or (isinstance(x, dict) and set(x) == {"a", "b"}),
-    )
-
-
-QAX = (qax.lora.split, qax.lora.combine)
-HAND = (hand_split, hand_combine)
-
-
-def make_step(loss: Callable, split: Callable, combine: Callable) -> Callable:
-    """(params, opt_state, tokens) -> (params, opt_state, loss); only the factors move."""
-
-    def step(params, opt_state, tokens):
-        adapters, base = split(params)
-        value, grads = jax.value_and_grad(lambda ad: loss(combine(ad, base), tokens))(
-            adapters
-        )
-        updates, opt_state = bs.OPTIMIZER.update(grads, opt_state, adapters)
-        return combine(optax.apply_updates(adapters, updates), base), opt_state, value
-
-    return step
-
-
-# ----------------------------------------------------------------------------------------
-# Setups
-
-
-# One variant's step, arguments and shardings: the benchmark's own record.
-Setup = bs.Setup
-
-
-TOKENS = jax.random.randint(
-    jax.random.PRNGKey(1), (CFG.batch, CFG.seq + 1), 0, CFG.vocab
-)
+TOKENS = bs.make_tokens(CFG)
 DENSE_LOSS = model_loss(CFG, dense_linear, scan=False)
+Setup = bs.Setup
 
 
 @functools.cache
 def params(kind: str) -> tuple[dict, dict]:
-    return implicit_params(kind)
+    """The dense parameters, and every matmul weight a `LoraWeight` (over `kind`)."""
+    dense = dense_params()
+    rng = np.random.default_rng(1)
+    return dense, bs.with_lora(dense, kind, rng, CFG.rank, block=BLOCK)
 
 
 @functools.cache
 def setups(kind: str, layout: str) -> dict:
     """``{"qax": Setup, "hand": Setup}`` for one kind and layout, same leaves/shardings."""
-    dense, implicit = params(kind)
-    specs, token_spec = bs.dense_specs(dense, layout)
-    shardings = qax.sharding.implicit_shardings(implicit, specs, MESH)
-    replicated = NamedSharding(MESH, P())
-    token_sharding = NamedSharding(MESH, token_spec)
-    out = {}
-    for name, tree, sh, loss, (split, combine) in (
-        ("qax", implicit, shardings, qax.use_implicit_args(DENSE_LOSS), QAX),
-        ("hand", to_hand(implicit), to_hand(shardings), _hand_loss(), HAND),
-    ):
-        opt_state = bs.OPTIMIZER.init(split(tree)[0])
-        opt_sh = optax.tree_map_params(
-            bs.OPTIMIZER,
-            lambda _p, s: s,
-            opt_state,
-            split(sh)[0],
-            transform_non_params=lambda _: replicated,
-        )
-        out[name] = Setup(
-            make_step(loss, split, combine),
-            (tree, opt_state, TOKENS),
-            (sh, opt_sh, token_sharding),
-            (sh, opt_sh, replicated),
-        )
-    return out
+    return bs.build(CFG, params(kind), layout, MESH, TOKENS)
 
 
 @functools.cache
-def _hand_loss():
-    return model_loss(CFG, hand_linear, scan=False)
+def compiled_text(kind: str, layout: str, variant: str) -> str:
+    setup = setups(kind, layout)[variant]
+    return setup.jitted().lower(*setup.placed()).compile().as_text()
 
 
 @functools.cache
 def single_device(kind: str):
-    setup = setups(kind, "fsdp")["qax"]
-    return jax.jit(setup.step)(*setup.args)
+    """The qax step on one device (no shardings, no activation layouts)."""
+    implicit, opt_state, tokens = setups(kind, "fsdp")["qax"].args
+    step = bs.make_step(qax.use_implicit_args(DENSE_LOSS), *bs.QAX)
+    return jax.jit(step)(implicit, opt_state, tokens)
+
+
+_BASE_FIELDS = {"w", "q", "scale", "packed", "absmax"}
 
 
 def _frozen_leaves(tree):
-    """The base-weight leaves (`w`, int8 `q`/`scale`) of every LoRA, by path."""
+    """The base-weight leaves (`w`, codes and scales) of every LoRA, by path."""
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         fields = {getattr(k, "name", None) for k in path}  # attributes, not dict keys
-        if fields & {"w", "q", "scale"}:
+        if fields & _BASE_FIELDS:
             out[jax.tree_util.keystr(path)] = leaf
     return out
 
@@ -237,7 +135,7 @@ def _factors(tree):
 
 
 def test_device_put_places_each_leaf_as_its_type_declares():
-    dense, implicit = params("qlora")
+    dense, implicit = params("int8")
     specs, _ = bs.dense_specs(dense, "megatron")
     placed = jax.device_put(
         implicit, qax.sharding.implicit_shardings(implicit, specs, MESH)
@@ -252,9 +150,9 @@ def test_device_put_places_each_leaf_as_its_type_declares():
     # and the scales [1, 64] split along the columns
     assert w1.w.q.sharding.spec == P(None, "model")
     assert (shard(w1.w.q), shard(w1.w.scale)) == ((32, 16), (1, 16))
-    assert (shard(w1.a), shard(w1.b)) == ((32, 4), (4, 16))
+    assert (shard(w1.a), shard(w1.b)) == ((32, 3), (3, 16))
     # row-parallel w2 [64, 32]: rows over "model"; a [64, r] split, b and scales whole
-    assert (shard(w2.a), shard(w2.b), shard(w2.w.scale)) == ((16, 4), (4, 32), (1, 32))
+    assert (shard(w2.a), shard(w2.b), shard(w2.w.scale)) == ((16, 3), (3, 32), (1, 32))
     close(placed, implicit)
 
 
@@ -281,7 +179,7 @@ def test_sharded_step_matches_one_device_without_extra_communication(kind, layou
     assert not np.allclose(new["head"].b, args[0]["head"].b)
     before, after = _frozen_leaves(args[0]), _frozen_leaves(new)
     assert before.keys() == after.keys() and len(after) == 7 * (
-        2 if kind == "qlora" else 1
+        1 if kind == "lora" else 2
     )
     for path, leaf in after.items():
         assert leaf.sharding == before[path].sharding, path
@@ -289,7 +187,7 @@ def test_sharded_step_matches_one_device_without_extra_communication(kind, layou
     got = [x.sharding for x in jax.tree.leaves(new)]
     assert got == jax.tree.leaves(both["qax"].out_shardings[0])
     # hand-written LoRA with the same leaves and shardings: same numbers, no fewer bytes
-    close(outs["hand"][1], (to_hand(new), opt_state, loss))
+    close(outs["hand"][1], (bs.to_hand(new), opt_state, loss))
     comm = {n: bs.collectives(c.as_text()) for n, c in compiled.items()}
     assert sum(b for _, b in comm["hand"].values()) > 0
     for op in bs.COLLECTIVES:
@@ -335,6 +233,133 @@ def test_step_never_forms_the_dense_weight(kind, layout):
 
 
 # ----------------------------------------------------------------------------------------
+# Quantized weights move as stored (`qax.array_field(stored=True)`)
+
+QUANTIZED = ("int8", "int4", "nf4")
+
+
+@functools.cache
+def compiled(kind: str, layout: str, variant: str):
+    setup = setups(kind, layout)[variant]
+    args = setup.placed()
+    return setup.jitted().lower(*args).compile(), args
+
+
+def _gathered(kind: str, layout: str, variant: str) -> dict:
+    text = compiled(kind, layout, variant)[0].as_text()
+    return bs.gathered_arrays(text, bs.base_shapes(params(kind)[1]))
+
+
+@pytest.mark.parametrize("kind", QUANTIZED)
+def test_fsdp_qlora_gathers_codes_and_scales_as_stored(kind):
+    step, args = compiled(kind, "fsdp", "qax")
+    new, opt_state, loss = step(*args)
+    ref_params, ref_opt_state, ref_loss = single_device(kind)
+    close(loss, ref_loss)
+    close(_factors(new), _factors(ref_params))
+    close(opt_state, ref_opt_state)
+    close(_frozen_leaves(new), _frozen_leaves(args[0]))
+
+    got = _gathered(kind, "fsdp", "qax")
+    codes = "s8" if kind == "int8" else "u8"
+    scales = {
+        tuple(leaf.shape)
+        for lora in jax.tree.leaves(params(kind)[1], is_leaf=_is_lora)
+        if _is_lora(lora)
+        for leaf in jax.tree.leaves(lora.w)[1:]
+    }
+    assert {dtype for dtype, _ in got} >= {codes}
+    # every base leaf gathered is a code, or a scale (of its stored float type); no
+    # weight is gathered after decoding, as hand-written code gathers it
+    assert all(dtype == codes or shape in scales for dtype, shape in got), got
+    hand = _gathered(kind, "fsdp", "hand")
+    assert any(dtype == "f32" and shape in WEIGHT_SHAPES for dtype, shape in hand)
+    lora_f32 = sum(_gathered("lora", "fsdp", "hand").values())
+    # 1 byte per number (int8), or 1/2 + 4/BLOCK (4-bit codes and f32 scales), of 4
+    assert 3.9 * sum(got.values()) <= lora_f32, (got, lora_f32)
+
+
+def _is_lora(x) -> bool:
+    return isinstance(x, LoraWeight)
+
+
+@pytest.mark.parametrize("kind", ["nf4"])
+def test_megatron_qlora_moves_no_more_bytes_than_hand_written(kind):
+    comm = {
+        n: bs.collectives(compiled(kind, "megatron", n)[0].as_text())
+        for n in ("qax", "hand")
+    }
+    for op in bs.COLLECTIVES:
+        assert comm["qax"][op][1] <= comm["hand"][op][1], (op, comm)
+    assert not _gathered(kind, "megatron", "qax")
+
+
+def test_stacked_qlora_scan_step_gathers_stored_codes_layer_by_layer():
+    # Layers stacked on a leading axis and run by `lax.scan`: every matmul weight a
+    # LoRA over NF4 codes, both with one batch axis; FSDP splits each layer's rows.
+    dense = dense_params(stacked=True)
+    rng = np.random.default_rng(2)
+
+    def convert(path, w):
+        if getattr(path[-1], "key", None) not in MATMUL_WEIGHTS:
+            return w
+        lead = w.shape[:-2]
+        a = 0.02 * rng.standard_normal((*lead, w.shape[-2], CFG.rank))
+        b = 0.02 * rng.standard_normal((*lead, CFG.rank, w.shape[-1]))
+        base = qax.quant.NF4Weight.from_array(w, BLOCK, batch_ndim=len(lead))
+        return LoraWeight(base, jnp.asarray(a, w.dtype), jnp.asarray(b, w.dtype))
+
+    implicit = jax.tree_util.tree_map_with_path(convert, dense)
+
+    def spec(path, x):
+        name = getattr(path[-1], "key", None)
+        stacked = any(getattr(k, "key", None) == "layers" for k in path)
+        if name in MATMUL_WEIGHTS or name == "wte":
+            return P(*([None] * stacked), bs.AXES)
+        return P()
+
+    specs = jax.tree_util.tree_map_with_path(spec, dense)
+    shardings = qax.sharding.implicit_shardings(implicit, specs, MESH)
+    layer = shardings["layers"]["mlp"]["w1"]
+    assert layer.w.packed.spec == P(None, bs.AXES, None)
+    assert layer.w.absmax.spec == P(None, bs.AXES, None)
+    assert (layer.a.spec, layer.b.spec) == (P(None, bs.AXES, None), P(None, None, None))
+
+    activations = NamedSharding(MESH, P(bs.AXES, None, None))
+    loss = qax.use_implicit_args(
+        model_loss(
+            CFG,
+            dense_linear,
+            scan=True,
+            layout=lambda x, _: jax.lax.with_sharding_constraint(x, activations),
+        )
+    )
+    step = bs.make_step(loss, *bs.QAX)
+    opt_state = bs.OPTIMIZER.init(qax.lora.split(implicit)[0])
+    replicated = NamedSharding(MESH, P())
+    opt_sh = jax.tree.map(lambda _: replicated, opt_state)
+    in_sh = (shardings, opt_sh, NamedSharding(MESH, P(bs.AXES)))
+    args = jax.device_put((implicit, opt_state, TOKENS), in_sh)
+    program = jax.jit(step, in_shardings=in_sh).lower(*args).compile()
+    new, _, value = program(*args)
+    plain = model_loss(CFG, dense_linear, scan=True)
+    ref, _, ref_value = jax.jit(bs.make_step(qax.use_implicit_args(plain), *bs.QAX))(
+        implicit, opt_state, TOKENS
+    )
+    close(value, ref_value)
+    close(_factors(new), _factors(ref))
+
+    # what a gather of the codes, scales or decoded weights, of one layer or all of
+    # them, would produce
+    stacked = {tuple(x.shape) for x in jax.tree.leaves(implicit["layers"])}
+    weights = WEIGHT_SHAPES | {(CFG.n_layers, *shape) for shape in WEIGHT_SHAPES}
+    shapes = stacked | {shape[1:] for shape in stacked} | weights
+    got = bs.gathered_arrays(program.as_text(), shapes)
+    assert "u8" in {dtype for dtype, _ in got}, got
+    assert not [key for key in got if key == ("f32", key[1]) and key[1] in weights], got
+
+
+# ----------------------------------------------------------------------------------------
 # shard_map: a data-parallel step over implicit parameters
 
 
@@ -368,7 +393,7 @@ def _data_parallel_step(loss):
 
 
 def test_shard_map_data_parallel_step_on_implicit_params():
-    kind = "qlora"
+    kind = "int8"
     setup = setups(kind, "fsdp")["qax"]
     implicit, opt_state, tokens = setup.args
     seen = []
@@ -463,7 +488,7 @@ def test_shard_map_inside_use_implicit_args_differentiates_the_factors():
 
 def test_orbax_restores_sharded_implicit_params_onto_the_mesh(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
-    setup = setups("qlora", "megatron")["qax"]
+    setup = setups("int8", "megatron")["qax"]
     # one column- and one row-parallel QLoRA weight, and a replicated dense array
     full = jax.device_put(setup.args[0], setup.in_shardings[0])
     mlp, sh = full["layers"][0]["mlp"], setup.in_shardings[0]["layers"][0]["mlp"]
@@ -487,3 +512,22 @@ def test_orbax_restores_sharded_implicit_params_onto_the_mesh(tmp_path):
         np.testing.assert_array_equal(got, want)
     assert w1.b.sharding.spec == P(None, "model")
     assert restored["w2"].a.sharding.spec == P("model", None)
+
+    # onto another mesh (4 x 2) and another layout (FSDP: rows over all devices), with
+    # the shardings derived from the dense specs for that mesh
+    other = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), bs.AXES)
+    specs = {"w1": P(bs.AXES), "w2": P(bs.AXES), "b2": P()}
+    target = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        tree,
+        qax.sharding.implicit_shardings(tree, specs, other),
+    )
+    with ocp.StandardCheckpointer() as ckpt:
+        moved = ckpt.restore(tmp_path / "params", target)
+    for got, want in zip(jax.tree.leaves(moved), jax.tree.leaves(tree), strict=True):
+        np.testing.assert_array_equal(got, want)
+    w1 = moved["w1"]
+    assert isinstance(w1.w, Int8Weight) and w1.w.q.sharding.mesh.shape == other.shape
+    assert w1.w.q.sharding.spec == P(bs.AXES, None)  # codes: rows split 8 ways
+    assert w1.w.q.addressable_shards[0].data.shape == (4, 64)
+    assert (w1.a.sharding.spec, w1.b.sharding.spec) == (P(bs.AXES, None), P(None, None))

@@ -298,3 +298,101 @@ def test_shard_map_implicit_carry_that_varies():
     implicit_type, dense_type = seen
     assert implicit_type.manual_axis_type.varying == {"i"}
     assert implicit_type == dense_type
+
+
+# ----------------------------------------------------------------------------------------
+# all_gather inside shard_map: leaf by leaf, quantized leaves as stored
+
+
+def _qlora(fmt: str, rows: int = 64, cols: int = 32):
+    """A LoRA over a `qax.quant` weight (4-bit blocks of 8)."""
+    kw, ka, kb = keys(3, seed=7)
+    w = 0.1 * jax.random.normal(kw, (rows, cols))
+    options = {"int4": {"group_size": 8}, "nf4": {"block_size": 8}}.get(fmt, {})
+    base = qax.quant.quantize(w, fmt, filter=lambda *_: True, **options)
+    a = 0.1 * jax.random.normal(ka, (rows, 3))
+    b = 0.1 * jax.random.normal(kb, (3, cols))
+    return qax.lora.LoraWeight(base, a, b)
+
+
+def _fsdp_matmul(check_vma: bool = True, tiled: bool = True):
+    """Rows of the weight split over "i"; each device gathers it whole, then `x @ w`."""
+
+    def local(w, x):
+        full = jax.lax.all_gather(w, "i", axis=0, tiled=tiled)
+        if tiled:
+            return x @ full
+        # a stack of the devices' row blocks (a batch axis): `scan` runs one product
+        # per block, slicing the stack leaf by leaf
+        blocks = x.reshape(x.shape[0], full.shape[0], -1).swapaxes(0, 1)
+
+        def add_block(total, block):
+            xs, ws = block
+            return total + xs @ ws, None
+
+        zeros = jnp.zeros((x.shape[0], full.shape[-1]), x.dtype)
+        zeros = zeros * x[:, :1]  # varying over "i", as the products are
+        return jax.lax.scan(add_block, zeros, (blocks, full))[0]
+
+    return jax.shard_map(
+        local,
+        mesh=MESH,
+        in_specs=(P("i"), P("i")),
+        out_specs=P("i"),
+        check_vma=check_vma,
+    )
+
+
+def _gathers(jaxpr) -> list:
+    return [
+        (str(eqn.outvars[0].aval.dtype), eqn.outvars[0].aval.shape)
+        for eqn in all_eqns(jaxpr)
+        if eqn.primitive.name == "all_gather"
+    ]
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "nf4"])
+def test_all_gather_in_shard_map_moves_codes_as_stored(fmt):
+    w, x = _qlora(fmt), jax.random.normal(keys(1, seed=8)[0], (16, 64))
+    f = qax.use_implicit_args(_fsdp_matmul())
+    with qax.materialization_policy(qax.ImplicitBase, "error"):
+        out = jax.jit(f)(w, x)
+        jaxpr = jax.make_jaxpr(f)(w, x)
+    assert_close(out, x @ w.materialize())
+    gathered = _gathers(jaxpr)
+    codes = "int8" if fmt == "int8" else "uint8"
+    # the codes (whole rows), the row scales of the 4-bit formats, and LoRA's `a`;
+    # int8's per-column scales and `b` do not run along the rows: kept
+    assert (codes, (64, 32 if fmt == "int8" else 16)) in gathered
+    assert all(dtype in (codes, "float32") for dtype, _ in gathered), gathered
+    assert ("float32", (64, 32)) not in gathered
+    assert ("float32", (64, 3)) in gathered  # a
+
+
+def test_all_gather_in_shard_map_differentiates_the_factors():
+    w, x = _qlora("nf4"), jax.random.normal(keys(1, seed=8)[0], (16, 64))
+    adapters, base = qax.lora.split({"w": w})
+
+    def loss(f):
+        return lambda ad: jnp.sum(jnp.tanh(f(qax.lora.combine(ad, base)["w"], x)))
+
+    implicit = jax.grad(loss(qax.use_implicit_args(_fsdp_matmul())))(adapters)
+    reference = jax.grad(loss(lambda w, x: x @ w.materialize()))(adapters)
+    assert_close(implicit, reference, rtol=1e-4, atol=1e-5)
+
+
+def test_all_gather_on_a_new_axis_stacks_the_leaves():
+    w, x = _qlora("int8"), jax.random.normal(keys(1, seed=8)[0], (16, 64))
+    f = qax.use_implicit_args(_fsdp_matmul(tiled=False))
+    with qax.materialization_policy(qax.ImplicitBase, "error"):
+        out = jax.jit(f)(w, x)
+    assert_close(out, x @ w.materialize())
+
+
+def test_all_gather_materializes_where_a_kept_leaf_may_differ():
+    # Without check_vma nothing says that int8's column scales (not split by the
+    # rows' spec) are the same on every device: the weight is decoded, then gathered.
+    w, x = _qlora("int8"), jax.random.normal(keys(1, seed=8)[0], (16, 64))
+    with pytest.warns(qax.MaterializationWarning, match="check_vma"):
+        out = qax.use_implicit_args(_fsdp_matmul(check_vma=False))(w, x)
+    assert_close(out, x @ w.materialize())

@@ -327,3 +327,21 @@ def test_custom_vjp_backward_protocol():
 def test_weakly_typed():
     x = _compat.weakly_typed(jnp.ones(2, jnp.float32))
     assert jax.typeof(x).weak_type and x.dtype == jnp.float32, _fix("weakly_typed")
+
+
+def test_shardy_barrier_and_varying_axes_helpers():
+    # the Shardy dialect's barrier (qax._arrival), and the shard_map internals that
+    # the all_gather rule reads
+    assert hasattr(_compat._sdy, "propagation_barrier"), _fix("propagation_barrier")
+    assert hasattr(_compat._sdy.PropagationDirection, "NONE"), _fix(
+        "propagation_barrier"
+    )
+    assert hasattr(_compat._config, "use_shardy_partitioner"), _fix(
+        "propagation_barrier"
+    )
+    assert _compat.tracks_varying_axes() is False, _fix("tracks_varying_axes")
+    assert callable(_compat._parallel.insert_collective_pvary), _fix(
+        "insert_collective_pvary"
+    )
+    x = jnp.ones(3)
+    assert _compat.insert_collective_pvary(("i",), x) is x  # outside shard_map

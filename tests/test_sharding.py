@@ -6,6 +6,7 @@ run in child pytest processes with `XLA_FLAGS=--xla_force_host_platform_device_c
 The `qax.sharding` spec derivation is tested here, in this process.
 """
 
+import dataclasses
 import os
 import pathlib
 import subprocess
@@ -20,6 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qax
+from tests.helpers import all_eqns
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -227,3 +229,120 @@ def test_builtin_types_declare_how_their_fields_follow_the_weight():
     (got,) = qax.sharding.implicit_specs([qlora], [P(None, None, "model")])
     assert got.w.packed == P(None, None, "model") and got.a == P(None, None, None)
     assert got.b == P(None, None, "model")
+
+
+# ----------------------------------------------------------------------------------------
+# Stored fields: products move them as stored (the barrier `qax._arrival.arrive`)
+
+
+@dataclass
+class _StoredInt8(qax.ImplicitArray, warn_on_materialize=False):
+    q: qax.ArrayValue = qax.array_field(ndim=2, follows=(0, 1), stored=True)
+    scale: qax.ArrayValue = qax.array_field(ndim=1, follows=(1,), stored=True)
+
+    def compute_shape(self):
+        return self.q.shape
+
+    def compute_dtype(self):
+        return self.scale.dtype
+
+    def materialize(self):
+        return self.q.astype(self.scale.dtype) * self.scale
+
+
+def _arrivals(jaxpr) -> list:
+    return [
+        eqn.invars[0].aval.dtype
+        for eqn in all_eqns(jaxpr)
+        if eqn.primitive.name == "qax_arrive"
+    ]
+
+
+def _int8_pair():
+    q = jnp.arange(-24, 24, dtype=jnp.int8).reshape(8, 6)
+    return q, jnp.linspace(0.5, 1.0, 6)
+
+
+def test_products_of_stored_fields_arrive_before_decoding_and_nothing_else_does():
+    q, scale = _int8_pair()
+    x = jnp.ones((3, 8))
+    stored, plain = _StoredInt8(q, scale), _Int8(q, scale)
+
+    def f(w, x):
+        return x @ w, w + 1.0  # a product (arrives), an elementwise op (does not)
+
+    jaxpr = jax.make_jaxpr(qax.use_implicit_args(f))(stored, x)
+    assert _arrivals(jaxpr) == [jnp.int8, jnp.float32]  # the codes, the scales
+    with qax.materialization_policy(_Int8, "allow"):
+        assert not _arrivals(jax.make_jaxpr(qax.use_implicit_args(f))(plain, x))
+    for out, want in zip(jax.jit(qax.use_implicit_args(f))(stored, x), f(q * scale, x)):
+        np.testing.assert_allclose(out, want, rtol=1e-6)
+    # eagerly there is nothing to place: the leaves go to the code as they are
+    eager = qax.use_implicit_args(lambda w, x: x @ w)(stored, x)
+    np.testing.assert_allclose(eager, x @ (q * scale), rtol=1e-6)
+
+
+def test_stored_fields_change_nothing_on_one_device():
+    w = qax.quant.Int8Weight.from_array(
+        jax.random.normal(jax.random.PRNGKey(0), (8, 6))
+    )
+    x = jnp.ones((3, 8))
+    f = jax.jit(qax.use_implicit_args(lambda w, x: jnp.tanh(x @ w)))
+    assert "propagation_barrier" in f.lower(w, x).as_text()
+    compiled = f.lower(w, x).compile().as_text()
+    assert "propagation_barrier" not in compiled and "custom-call" not in compiled
+    np.testing.assert_allclose(f(w, x), jnp.tanh(x @ w.dequantize()), rtol=1e-6)
+
+
+def test_stored_fields_under_grad_vmap_and_export():
+    key_w, key_x = jax.random.split(jax.random.PRNGKey(1))
+    ws = jax.random.normal(key_w, (4, 8, 6))
+    stacked = qax.quant.Int8Weight.from_array(ws, batch_ndim=1)
+    xs = jax.random.normal(key_x, (4, 3, 8))
+
+    def loss(w, x):
+        return jnp.sum(jnp.tanh(x @ w))
+
+    batched = jax.jit(jax.vmap(qax.use_implicit_args(loss)))(stacked, xs)
+    np.testing.assert_allclose(
+        batched, jax.vmap(loss)(stacked.dequantize(), xs), rtol=1e-5
+    )
+
+    one = qax.quant.Int8Weight.from_array(ws[0])
+
+    def of_scale(scale):  # gradients reach the (stored) scales through the barrier
+        return qax.use_implicit_args(loss)(dataclasses.replace(one, scale=scale), xs[0])
+
+    np.testing.assert_allclose(
+        jax.jit(jax.grad(of_scale))(one.scale),
+        jax.grad(lambda s: loss(one.q * s, xs[0]))(one.scale),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+    exported = jax.export.export(jax.jit(qax.use_implicit_args(loss)))(one, xs[0])
+    restored = jax.export.deserialize(exported.serialize())
+    np.testing.assert_allclose(
+        restored.call(one, xs[0]), loss(one.dequantize(), xs[0]), rtol=1e-6
+    )
+
+
+def test_stored_fields_with_the_gspmd_partitioner_are_plain_values():
+    if not hasattr(jax.config, "jax_use_shardy_partitioner"):
+        pytest.skip("this JAX has no GSPMD partitioner")
+    w = qax.quant.Int8Weight.from_array(jnp.ones((8, 6)))
+    f = jax.jit(qax.use_implicit_args(lambda w, x: x @ w))
+    try:
+        jax.config.update("jax_use_shardy_partitioner", False)
+        text = f.lower(w, jnp.ones((3, 8))).as_text()
+        out = f(w, jnp.ones((3, 8)))
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", True)
+    assert "propagation_barrier" not in text
+    np.testing.assert_allclose(out, jnp.ones((3, 8)) @ w.dequantize(), rtol=1e-6)
+
+
+def test_array_field_records_stored():
+    assert qax._fields.fields_of(_StoredInt8).stored == ("q", "scale")
+    assert qax._fields.fields_of(_Int8).stored == ()
+    assert qax._fields.fields_of(qax.quant.NF4Weight).stored == ("packed", "absmax")

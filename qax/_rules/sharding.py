@@ -19,13 +19,13 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from .. import _dispatch, _errors
-from .._base import NB, ImplicitBase
-from .._base import is_implicit
+from .._base import NB, ImplicitBase, is_implicit
 from .._batching import stack_like, stackable
 from .._compat import (
     bind_with_trace,
     flatten_ft,
     forget_arg_names,
+    insert_collective_pvary,
     primitives_module,
     pvary_p,
     set_current_trace,
@@ -177,6 +177,8 @@ def _gather_leaves(trace: ImplicitTrace, primitive, x: ImplicitBase, params: dic
     leaves, tree = jax.tree_util.tree_flatten(x)
 
     def gather(leaf, leaf_dim, tiled):
+        with set_current_trace(trace.parent_trace):
+            leaf = insert_collective_pvary(axes, leaf)
         leaf_params = dict(params, all_gather_dimension=leaf_dim, tiled=tiled)
         return bind_with_trace(trace.parent_trace, primitive, [leaf], leaf_params)
 
