@@ -21,6 +21,13 @@ declares nothing is replicated when the spec partitions only batch dimensions, a
 an error otherwise. Fields holding implicit arrays (QLoRA: a LoRA whose ``w`` is
 quantized) get the spec of the array they hold, and their own leaves follow from it.
 
+Fields declared ``qax.array_field(..., stored=True)`` (the `qax.quant` types' codes and
+scales) are moved between devices as stored: in a staged program, a product that takes
+the implicit array reshards those leaves to the layout it needs before the handler
+decodes them, so FSDP gathers int8 / uint8 codes, not the floats they decode to. Inside
+`shard_map`, `jax.lax.all_gather` of an implicit array gathers the leaves that run along
+the gathered dimension (as stored) and keeps the others.
+
 Examples:
     >>> mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
     >>> shardings = qax.sharding.implicit_shardings(params, specs, mesh)
