@@ -81,8 +81,11 @@ def implicit_specs(tree: Any, specs: Any) -> Any:
 
     Returns:
       A pytree with the structure of `tree` (implicit arrays included, as instances of
-      their own types) whose leaves are `PartitionSpec`s: usable as `shard_map` specs or,
-      with a mesh, as shardings (see `implicit_shardings`).
+      their own types) whose leaves are `PartitionSpec`s; with a mesh, shardings (see
+      `implicit_shardings`). For `shard_map`, call it inside `qax.use_implicit_args`
+      and give it the dense specs: qax splits the leaves as here and hands the body
+      implicit arrays of the local shape. (A `shard_map` outside the wrapper, given
+      these specs, splits the leaves but keeps each implicit array's global shape.)
 
     Raises:
       ValueError: a spec is longer than its array's rank, or partitions a dimension
