@@ -457,8 +457,10 @@ def main(argv: list[str] | None = None) -> None:
         cfg, reps = Config(batch=8, rank=RANK), 7
     mesh = make_mesh()
     tokens = make_tokens(cfg)
-    print(f"JAX {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} ")
-    print(f"devices on {os.cpu_count()} CPUs; mesh {dict(mesh.shape)}; model: {cfg}\n")
+    print(
+        f"JAX {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} "
+        f"devices on {os.cpu_count()} CPUs; mesh {dict(mesh.shape)}; model: {cfg}\n"
+    )
 
     comm_rows, base_rows, time_rows, notes = [], [], [], []
     for layout in LAYOUTS:

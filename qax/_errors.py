@@ -394,3 +394,9 @@ ALL_GATHER_KEPT_LEAF: Final = (
     "It is materialized; with check_vma=True (the default) and that leaf replicated "
     "over {axes}, it stays implicit."
 )
+
+ALL_GATHER_TWICE: Final = (
+    "`all_gather` along dimension {dim} of this {cls}: a leaf of shape {shape} runs "
+    "along that dimension more than once (as its type declares), and gathering it "
+    "leaf by leaf would miss the blocks between devices. It is materialized."
+)

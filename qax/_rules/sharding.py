@@ -174,7 +174,7 @@ def _gather_leaves(trace: ImplicitTrace, primitive, x: ImplicitBase, params: dic
     axes = params["axis_name"]
     axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
     dim, n = params["all_gather_dimension"], params["axis_size"]
-    leaves, tree = jax.tree_util.tree_flatten(x)
+    leaves = jax.tree_util.tree_leaves(x)
 
     def gather(leaf, leaf_dim, tiled):
         with set_current_trace(trace.parent_trace):
@@ -186,23 +186,32 @@ def _gather_leaves(trace: ImplicitTrace, primitive, x: ImplicitBase, params: dic
         if dim != 0 or not stackable(x):
             return _errors.ALL_GATHER_NEW_AXIS.format(cls=type(x).__name__, dim=dim)
         return stack_like(x, [gather(leaf, 0, False) for leaf in leaves], n)
-    specs = leaf_specs(x, PartitionSpec(*([None] * dim), _GATHERED))
+    marked = PartitionSpec(*([None] * dim), _GATHERED)
+    specs = leaf_specs(x, marked)
     missing = first_undeclared(specs)
     if missing is not None:
         return missing.message
-    out = []
+    # Per leaf: the dimension to gather along, or None to keep it (checked first, so
+    # that nothing is gathered for a value that is then materialized).
+    plan = []
     for leaf, spec in zip(leaves, specs, strict=True):
         runs_along = [i for i, entry in enumerate(spec) if entry == _GATHERED]
-        if runs_along:
-            out.append(gather(leaf, runs_along[0], True))
-            continue
-        varying = varying_axes(typeof(leaf))
-        if not tracks_varying_axes() or any(a in varying for a in axes):
-            return _errors.ALL_GATHER_KEPT_LEAF.format(
-                cls=type(x).__name__, dim=dim, axes=axes, shape=tuple(leaf.shape)
+        if len(runs_along) > 1:
+            return _errors.ALL_GATHER_TWICE.format(
+                cls=type(x).__name__, dim=dim, shape=tuple(leaf.shape)
             )
-        out.append(leaf)
-    return _regrown(x, PartitionSpec(*([None] * dim), _GATHERED), iter(out), n)
+        if not runs_along:
+            varying = varying_axes(typeof(leaf))
+            if not tracks_varying_axes() or any(a in varying for a in axes):
+                return _errors.ALL_GATHER_KEPT_LEAF.format(
+                    cls=type(x).__name__, dim=dim, axes=axes, shape=tuple(leaf.shape)
+                )
+        plan.append(runs_along[0] if runs_along else None)
+    out = [
+        leaf if d is None else gather(leaf, d, True)
+        for leaf, d in zip(leaves, plan, strict=True)
+    ]
+    return _regrown(x, marked, iter(out), n)
 
 
 def _regrown(x: Any, spec: PartitionSpec, leaves: Any, n: int) -> Any:
