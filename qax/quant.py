@@ -15,7 +15,8 @@ so the full-precision weight never exists as a parameter or an input of the prog
 The formats:
 
 - `Int8Weight`: symmetric int8 with one scale per output channel (``axis``, by default the
-  last axis: the output axis of a Flax ``(in, out)`` kernel). 1 byte per number.
+  last axis: the output axis of a Flax ``(in, out)`` kernel; or a tuple of axes, e.g.
+  heads and outputs of an einsum kernel). 1 byte per number.
 - `Int4Weight`: symmetric 4-bit integers in ``[-8, 7]`` with one scale per group of
   ``group_size`` consecutive numbers along the last axis; two numbers per byte.
 - `NF4Weight`: QLoRA's 4-bit NormalFloat: 16 levels at quantiles of a standard normal
@@ -180,12 +181,16 @@ class QuantizedWeight(qax.ImplicitArray):
 class Int8Weight(QuantizedWeight):
     """Symmetric int8 codes with one scale per output channel: ``w ≈ q * scale``.
 
-    ``scale`` keeps the weight's rank, with size 1 on every axis but the channel axis.
+    ``scale`` keeps the weight's rank, with size 1 on every axis but the channel axes
+    (by default the last one; any set of axes with ``from_array(w, axis=(...))``, e.g.
+    one scale per head and output unit of an ``nnx.Einsum`` kernel ``(heads, d, k)``).
 
     Examples:
         >>> q = qax.quant.Int8Weight.from_array(jnp.ones((4, 3)))
         >>> q.q.dtype, q.scale.shape
         (dtype('int8'), (1, 3))
+        >>> qax.quant.Int8Weight.from_array(jnp.ones((2, 4, 3)), axis=(0, 2)).scale.shape
+        (2, 1, 3)
 
     Attributes:
       q: the int8 codes, in ``[-127, 127]``.
@@ -202,22 +207,36 @@ class Int8Weight(QuantizedWeight):
 
     @classmethod
     def from_array(
-        cls, w: jax.Array, axis: int = -1, batch_ndim: int = 0
+        cls, w: jax.Array, axis: int | tuple[int, ...] = -1, batch_ndim: int = 0
     ) -> Int8Weight:
-        """Quantize ``w`` with one scale per index of ``axis`` (absmax / 127).
+        """Quantize ``w`` with one scale per index of the ``axis`` axes (absmax / 127).
 
         Args:
           w: a floating-point weight.
-          axis: the output-channel axis (default: the last one).
+          axis: the output-channel axis (default: the last one), or a tuple of axes:
+            one scale per position along all of them, the absmax taken over the
+            others (negative axes count from the end).
           batch_ndim: leading axes that stack independent weights (scanned layers);
             each gets its own scales.
 
         Returns:
           The quantized weight.
+
+        Raises:
+          ValueError: an axis is out of range for ``w``.
         """
         w = jnp.asarray(w)
-        axis = axis % w.ndim
-        others = tuple(i for i in range(batch_ndim, w.ndim) if i != axis)
+        axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+        if not all(
+            isinstance(a, (int, np.integer)) and -w.ndim <= a < w.ndim for a in axes
+        ):
+            raise ValueError(
+                f"Int8Weight.from_array: axis={axis!r} for a weight of shape "
+                f"{tuple(w.shape)}: each channel axis must be an integer in "
+                f"[-{w.ndim}, {w.ndim})."
+            )
+        kept = {a % w.ndim for a in axes}
+        others = tuple(i for i in range(batch_ndim, w.ndim) if i not in kept)
         absmax = jnp.max(jnp.abs(w), axis=others, keepdims=True)
         scale = jnp.where(absmax > 0, absmax / 127, 1).astype(w.dtype)
         q = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
@@ -228,7 +247,7 @@ class Int8Weight(QuantizedWeight):
 
     def field_dims(self) -> dict[str, tuple[int | None, ...]]:
         """The codes run along every dimension of the weight; the scales only along
-        the channel axis (their other dimensions have size 1)."""
+        the channel axes (their other dimensions have size 1)."""
         rank = self.weight_ndim
         nb = len(self.shape) - rank
         channel = tuple(d != 1 for d in jnp.shape(self.scale)[nb:])
@@ -518,7 +537,8 @@ def quantize(
         Default: `qax.lora.default_filter` (every 2-D+ weight but embeddings, norms and
         biases), skipping weights whose last axis is not a multiple of the block size,
         with a warning that names them.
-      **options: passed to ``from_array``: ``axis`` (int8), ``group_size`` (int4),
+      **options: passed to ``from_array``: ``axis`` (int8: an axis or a tuple of
+        axes that keep their own scales), ``group_size`` (int4),
         ``block_size`` (nf4), ``batch_ndim`` (stacked layers; an int or a function of
         ``(path, leaf)``).
 

@@ -114,6 +114,39 @@ def test_zero_weights_and_bad_shapes():
         Int8Weight.from_array(jnp.ones((4, 3)), batch_ndim=3)
 
 
+def test_int8_scales_along_any_set_of_axes():
+    # An einsum kernel (heads, d, k): one scale per head and output unit (issue 22, 7),
+    # where one per output unit alone shares each scale across the heads.
+    w = normal((4, 32, 8)) * jnp.asarray([0.1, 1.0, 3.0, 10.0])[:, None, None]
+    per_head = Int8Weight.from_array(w, axis=(0, -1))
+    shared = Int8Weight.from_array(w)
+    assert per_head.scale.shape == (4, 1, 8) and shared.scale.shape == (1, 1, 8)
+    expected = jnp.max(jnp.abs(w), axis=1, keepdims=True) / 127
+    np.testing.assert_allclose(per_head.scale, expected, rtol=1e-6)
+    assert np.max(np.abs(per_head.dequantize() - w)) <= float(jnp.max(expected)) / 2
+    # the quietest head: its own scales, or those of the loudest one
+    err = {
+        k: float(jnp.sqrt(jnp.mean((q.dequantize()[0] - w[0]) ** 2)))
+        for k, q in (("per_head", per_head), ("shared", shared))
+    }
+    assert err["per_head"] < err["shared"] / 10, err
+    assert qax.sharding.field_dims(per_head) == {"q": (0, 1, 2), "scale": (0, None, 2)}
+
+    x = normal((3, 32), seed=1)
+    einsum = qax.use_implicit_args(lambda x, w: jnp.einsum("bd,hdk->bhk", x, w))
+    with strict():
+        got = jax.jit(einsum)(x, per_head)
+    np.testing.assert_allclose(
+        got, jnp.einsum("bd,hdk->bhk", x, per_head.dequantize()), rtol=1e-5, atol=1e-5
+    )
+    tree = qax.quant.quantize({"kernel": w}, "int8", axis=(0, 2))
+    np.testing.assert_array_equal(tree["kernel"].scale, per_head.scale)
+    stacked = Int8Weight.from_array(jnp.stack([w, 2 * w]), axis=(1, 3), batch_ndim=1)
+    assert stacked.scale.shape == (2, 4, 1, 8) and stacked.weight_ndim == 3
+    with pytest.raises(ValueError, match=r"axis=\(0, 3\).*\[-3, 3\)"):
+        Int8Weight.from_array(w, axis=(0, 3))
+
+
 # ----------------------------------------------------------------------------------------
 # Handlers against "decode, then run the primitive"
 
