@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -143,3 +144,62 @@ def path_string(path: Sequence[Any]) -> str:
         'a/0'
     """
     return "/".join(str(key_value(k)) for k in path)
+
+
+def path_rules(rules: Any, allowed: Sequence[str], caller: str) -> Callable[[str], Any]:
+    """A lookup of per-path settings: ``lookup(path) -> (matched, settings)``.
+
+    `rules` is an ordered sequence of ``(pattern, settings)``; the first pattern (a
+    regular expression) that matches all of a path (`re.fullmatch`) gives its settings:
+    a dict whose keys are among `allowed`, or ``None`` (leave that path alone).
+    ``(False, None)`` when no pattern matches.
+
+    Examples:
+        >>> lookup = qax.utils.path_rules([("layers/.*/attn/.*", {"rank": 4})],
+        ...                               ["rank"], "loraify")
+        >>> lookup("layers/0/attn/kernel"), lookup("head/kernel")
+        ((True, {'rank': 4}), (False, None))
+
+    Args:
+      rules: the rules (``None``: none).
+      allowed: the setting names the caller understands.
+      caller: the caller's name, for the errors.
+
+    Returns:
+      The lookup function.
+
+    Raises:
+      ValueError: a rule is not a ``(pattern, settings)`` pair, its pattern is not a
+        regular expression, or its settings name something not in `allowed`.
+    """
+    compiled = []
+    for rule in rules or ():
+        if not (isinstance(rule, (tuple, list)) and len(rule) == 2):
+            raise ValueError(
+                f"{caller}: each rule is a (path pattern, settings) pair, got {rule!r}."
+            )
+        pattern, settings = rule
+        try:
+            regex = re.compile(pattern)
+        except (re.error, TypeError) as e:
+            raise ValueError(
+                f"{caller}: the rule pattern {pattern!r} is not a regular expression "
+                f"({e})."
+            ) from None
+        if settings is not None:
+            unknown = sorted(set(settings) - set(allowed))
+            if unknown:
+                raise ValueError(
+                    f"{caller}: the rule for {pattern!r} sets {unknown}; a rule sets "
+                    f"{sorted(allowed)}, or is None to leave the matching weights alone."
+                )
+            settings = dict(settings)
+        compiled.append((regex, settings))
+
+    def lookup(path: str) -> tuple[bool, Any]:
+        for regex, settings in compiled:
+            if regex.fullmatch(path):
+                return True, settings
+        return False, None
+
+    return lookup

@@ -522,6 +522,7 @@ def quantize(
     fmt: str | type = "nf4",
     *,
     filter: Any = None,
+    rules: Any = None,
     **options: Any,
 ) -> Any:
     """Replace chosen weights of a params pytree by quantized weights.
@@ -537,6 +538,14 @@ def quantize(
         Default: `qax.lora.default_filter` (every 2-D+ weight but embeddings, norms and
         biases), skipping weights whose last axis is not a multiple of the block size,
         with a warning that names them.
+      rules: per-path settings, like qwix's rules: an ordered list of ``(pattern,
+        settings)``. The first pattern (a regular expression) that matches all of a
+        weight's path decides for it: ``settings`` is a dict with a ``"format"`` and
+        options overriding this call's (``axis``, ``group_size``, ``block_size``,
+        ``batch_ndim``), the weight then chosen whatever ``filter`` says; or ``None``,
+        to keep it dense. Weights no pattern matches follow ``filter``, ``fmt`` and
+        ``options``. E.g. ``rules=[(".*/attn/.*", {"format": "int8"}),
+        (".*/head/.*", None)]``.
       **options: passed to ``from_array``: ``axis`` (int8: an axis or a tuple of
         axes that keep their own scales), ``group_size`` (int4),
         ``block_size`` (nf4), ``batch_ndim`` (stacked layers; an int or a function of
@@ -549,13 +558,10 @@ def quantize(
       ValueError: an unknown format, or a weight chosen by ``filter`` that the format
         cannot hold.
     """
-    cls = _FORMATS.get(fmt) if isinstance(fmt, str) else fmt
-    if not (isinstance(cls, type) and issubclass(cls, QuantizedWeight)):
-        raise ValueError(
-            f"quantize: unknown format {fmt!r}; use one of {sorted(_FORMATS)} or a "
-            "QuantizedWeight subclass."
-        )
-
+    cls = _format(fmt)
+    lookup = qax.utils.path_rules(
+        rules, ("format", "axis", "group_size", "block_size", "batch_ndim"), "quantize"
+    )
     skipped = []  # chosen by the default filter, but the format cannot hold them
 
     def choose(path: str, leaf: Any) -> bool:
@@ -572,12 +578,21 @@ def quantize(
         if isinstance(leaf, qax.ImplicitArray) or not hasattr(leaf, "shape"):
             return leaf
         name = qax.utils.path_string(path)
-        if not choose(name, leaf):
+        matched, settings = lookup(name)
+        if matched and settings is None:
             return leaf
-        kwargs = dict(options)
+        if not matched and not choose(name, leaf):
+            return leaf
+        kind, kwargs = cls, dict(options)
+        if settings:
+            settings = dict(settings)
+            kind = _format(settings.pop("format", fmt))
+            if kind is not cls:  # the call's options that this format takes
+                kwargs = _options_for(kind, options)
+            kwargs.update(settings)
         if callable(kwargs.get("batch_ndim")):
             kwargs["batch_ndim"] = kwargs["batch_ndim"](name, leaf)
-        return cls.from_array(leaf, **kwargs)
+        return kind.from_array(leaf, **kwargs)
 
     out = qax.utils.tree_map_with_path_with_implicit(convert, params)
     if skipped:
@@ -590,6 +605,35 @@ def quantize(
             stacklevel=2,
         )
     return out
+
+
+def _options_for(cls: type, options: dict) -> dict:
+    """The options of `quantize`'s call that `cls.from_array` takes, for a rule that
+    picks another format than the call's: the block size (``block_size`` or
+    ``group_size``) under the name the 4-bit format uses, ``axis`` for int8 only."""
+    if cls is Int8Weight:
+        names = ("axis", "batch_ndim")
+    elif cls in (Int4Weight, NF4Weight):
+        names = ("batch_ndim",)
+        if "block_size" in options or "group_size" in options:
+            size_name = "group_size" if cls is Int4Weight else "block_size"
+            return {
+                **{n: options[n] for n in names if n in options},
+                size_name: _block_size(options),
+            }
+    else:
+        return dict(options)
+    return {n: options[n] for n in names if n in options}
+
+
+def _format(fmt: Any) -> type:
+    cls = _FORMATS.get(fmt) if isinstance(fmt, str) else fmt
+    if not (isinstance(cls, type) and issubclass(cls, QuantizedWeight)):
+        raise ValueError(
+            f"quantize: unknown format {fmt!r}; use one of {sorted(_FORMATS)} or a "
+            "QuantizedWeight subclass."
+        )
+    return cls
 
 
 def dequantize(params: Any) -> Any:

@@ -15,6 +15,7 @@ from ._structure import get_common_prefix_transforms as get_common_prefix_transf
 from ._tree_util import EmptyNode as EmptyNode
 from ._tree_util import flatten_one_implicit_layer as flatten_one_implicit_layer
 from ._tree_util import implicit_depth as implicit_depth
+from ._tree_util import path_rules as path_rules
 from ._tree_util import path_string as path_string
 from ._tree_util import tree_flatten_with_implicit as tree_flatten_with_implicit
 from ._tree_util import (
@@ -42,6 +43,7 @@ __all__ = [
     "jaxpr_as_function",
     "known_constant",
     "materialize_nested",
+    "path_rules",
     "path_string",
     "set_to_zero_scalar",
     "tree_flatten_with_implicit",

@@ -463,3 +463,68 @@ def test_qlora_trains_with_optax_and_keeps_the_base_4_bit():
     np.testing.assert_allclose(
         jnp.mean((mlp(merged, x) - y) ** 2), losses[-1], rtol=0.1
     )
+
+
+def test_quantize_and_loraify_take_per_path_rules_first_match_wins():
+    params = {
+        "layers": [
+            {
+                "attn": {"kernel": normal((32, 64), seed=i)},
+                "mlp": {"kernel": normal((64, 32), seed=9 + i)},
+            }
+            for i in range(2)
+        ],
+        "head": {"kernel": normal((32, 48), seed=5)},
+        "embed": {"embedding": normal((48, 32), seed=6)},
+    }
+    rules = [
+        (r"layers/1/attn/.*", None),  # first match wins: stays dense
+        (r"layers/\d+/attn/.*", {"format": "int8", "axis": 0}),
+        (r"head/.*", {"block_size": 16}),
+        (r"embed/.*", {"format": "int4", "group_size": 8}),  # chosen despite the filter
+    ]
+    q = qax.quant.quantize(params, "nf4", block_size=32, rules=rules)
+    assert isinstance(q["layers"][0]["attn"]["kernel"], Int8Weight)
+    assert q["layers"][0]["attn"]["kernel"].scale.shape == (32, 1)  # axis=0
+    assert not isinstance(q["layers"][1]["attn"]["kernel"], QuantizedWeight)
+    mlp = q["layers"][0]["mlp"]["kernel"]  # no rule: the call's format and options
+    assert isinstance(mlp, NF4Weight) and mlp.block_size == 32
+    assert (
+        isinstance(q["head"]["kernel"], NF4Weight)
+        and q["head"]["kernel"].block_size == 16
+    )
+    emb = q["embed"]["embedding"]
+    assert isinstance(emb, Int4Weight) and emb.group_size == 8
+    np.testing.assert_array_equal(
+        q["embed"]["embedding"].dequantize(),
+        Int4Weight.from_array(params["embed"]["embedding"], group_size=8).dequantize(),
+    )
+
+    lora = qax.lora.loraify(
+        q,
+        4,
+        key=jax.random.PRNGKey(0),
+        rules=[
+            (r"layers/0/.*", {"rank": 8, "alpha": 16.0}),
+            (r"head/.*", None),
+        ],
+    )
+    first = lora["layers"][0]["attn"]["kernel"]
+    assert isinstance(first, LoraWeight) and first.a.shape == (32, 8)
+    assert first.alpha == 16.0 and isinstance(first.w, Int8Weight)
+    assert lora["layers"][1]["mlp"]["kernel"].a.shape == (64, 4)  # the call's rank
+    assert not isinstance(lora["head"]["kernel"], LoraWeight)
+    assert not isinstance(lora["embed"]["embedding"], LoraWeight)  # default filter
+
+    with pytest.raises(ValueError, match=r"sets \['rnk'\]"):
+        qax.lora.loraify(
+            params, 4, key=jax.random.PRNGKey(0), rules=[(".*", {"rnk": 2})]
+        )
+    with pytest.raises(ValueError, match="not a regular expression"):
+        qax.quant.quantize(params, "int8", rules=[("(", {})])
+    with pytest.raises(ValueError, match="unknown format 'int3'"):
+        qax.quant.quantize(params, "int8", rules=[(".*", {"format": "int3"})])
+    with pytest.raises(ValueError, match="rank must be a positive integer"):
+        qax.lora.loraify(
+            params, 4, key=jax.random.PRNGKey(0), rules=[(".*", {"rank": 0})]
+        )

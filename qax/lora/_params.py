@@ -73,6 +73,7 @@ def loraify(
     freeze_w: bool = True,
     dtype: Any = None,
     batch_ndim: int | Callable[[str, Any], int] = 0,
+    rules: Any = None,
 ) -> Any:
     """Turn chosen weights of any params pytree into `LoraWeight`s.
 
@@ -86,6 +87,10 @@ def loraify(
         >>> params = qax.lora.loraify(params, 8, key=jax.random.key(0), alpha=16.0)
         >>> qax.lora.trainable_count(params)
         12288
+        >>> params = qax.lora.loraify(params, 8, key=key, rules=[
+        ...     ("layers/[0-9]+/attn/.*", {"rank": 16, "alpha": 32.0}),
+        ...     (".*/head/.*", None),  # no adapter on the head
+        ... ])
 
     Args:
       params: the parameters.
@@ -107,42 +112,75 @@ def loraify(
         layer gets its own factors, ``a`` of shape ``(L, *A, rank)`` and ``b``
         ``(L, rank, *B)``, and `lax.scan` over the stack slices the `LoraWeight`
         without forming it.
+      rules: per-path settings, like qwix's rules: an ordered list of ``(pattern,
+        settings)``. The first pattern (a regular expression) that matches all of a
+        weight's path decides for it: ``settings`` is a dict overriding this call's
+        ``rank``, ``alpha``, ``split_at``, ``freeze_w``, ``dtype`` and ``batch_ndim``
+        for that weight, which is then chosen whatever ``filter`` says; or ``None``,
+        to leave it alone. Weights that no pattern matches are chosen by ``filter``
+        and get this call's settings.
 
     Returns:
       ``params`` with the chosen weights replaced by `LoraWeight`s.
 
     Raises:
-      ValueError: ``rank`` is not positive, or ``split_at`` leaves a factor no axis.
+      ValueError: ``rank`` is not positive, ``split_at`` leaves a factor no axis, or
+        a rule is malformed (see `qax.utils.path_rules`).
     """
-    if int(rank) < 1:
-        raise ValueError(f"loraify: rank must be a positive integer, got {rank!r}.")
+    defaults = {
+        "rank": rank,
+        "alpha": alpha,
+        "split_at": split_at,
+        "freeze_w": freeze_w,
+        "dtype": dtype,
+        "batch_ndim": batch_ndim,
+    }
+    lookup = qax.utils.path_rules(rules, tuple(defaults), "loraify")
+    _check_rank(rank)
     choose = default_filter if filter is None else filter
 
     def convert(path, leaf):
         name = qax.utils.path_string(path)
-        if _is_lora(leaf) or not choose(name, leaf):
+        if _is_lora(leaf):
             return leaf
-        nb = batch_ndim(name, leaf) if callable(batch_ndim) else batch_ndim
-        if len(leaf.shape) - nb < 2:
+        matched, settings = lookup(name)
+        if matched and settings is None:
             return leaf
-        lead, shape = tuple(leaf.shape[:nb]), tuple(leaf.shape[nb:])
-        p = split_at(name, leaf) if callable(split_at) else split_at
-        p = len(shape) - 1 if p is None else int(p)
-        if not 1 <= p <= len(shape) - 1:
-            raise ValueError(
-                _BAD_SPLIT.format(
-                    split_at=p, path=name, shape=leaf.shape, most=len(shape) - 1
-                )
-            )
-        factor_dtype = dtype or leaf.dtype
-        k = jax.random.fold_in(key, zlib.crc32(name.encode()) % (2**31))
-        fan_in = math.prod(shape[:p])
-        a = jax.random.normal(k, (*lead, *shape[:p], rank), jnp.float32)
-        a = (a / np.sqrt(fan_in)).astype(factor_dtype)
-        b = jnp.zeros((*lead, rank, *shape[p:]), factor_dtype)
-        return LoraWeight(leaf, a, b, alpha=alpha, freeze_w=freeze_w)
+        if not matched and not choose(name, leaf):
+            return leaf
+        return _adapted(name, leaf, key, {**defaults, **(settings or {})})
 
     return qax.utils.tree_map_with_path_with_implicit(convert, params)
+
+
+def _check_rank(rank: Any) -> None:
+    if int(rank) < 1:
+        raise ValueError(f"loraify: rank must be a positive integer, got {rank!r}.")
+
+
+def _adapted(name: str, leaf: Any, key: jax.Array, s: dict) -> Any:
+    """`leaf` as a `LoraWeight` with the settings `s` (`loraify`'s keywords)."""
+    rank = s["rank"]
+    _check_rank(rank)
+    nb = s["batch_ndim"](name, leaf) if callable(s["batch_ndim"]) else s["batch_ndim"]
+    if len(leaf.shape) - nb < 2:
+        return leaf
+    lead, shape = tuple(leaf.shape[:nb]), tuple(leaf.shape[nb:])
+    p = s["split_at"](name, leaf) if callable(s["split_at"]) else s["split_at"]
+    p = len(shape) - 1 if p is None else int(p)
+    if not 1 <= p <= len(shape) - 1:
+        raise ValueError(
+            _BAD_SPLIT.format(
+                split_at=p, path=name, shape=leaf.shape, most=len(shape) - 1
+            )
+        )
+    factor_dtype = s["dtype"] or leaf.dtype
+    k = jax.random.fold_in(key, zlib.crc32(name.encode()) % (2**31))
+    fan_in = math.prod(shape[:p])
+    a = jax.random.normal(k, (*lead, *shape[:p], rank), jnp.float32)
+    a = (a / np.sqrt(fan_in)).astype(factor_dtype)
+    b = jnp.zeros((*lead, rank, *shape[p:]), factor_dtype)
+    return LoraWeight(leaf, a, b, alpha=s["alpha"], freeze_w=s["freeze_w"])
 
 
 def merge(params: Any) -> Any:
