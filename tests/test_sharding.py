@@ -236,18 +236,11 @@ def test_builtin_types_declare_how_their_fields_follow_the_weight():
 
 
 @dataclass
-class _StoredInt8(qax.ImplicitArray, warn_on_materialize=False):
+class _StoredInt8(_Int8, warn_on_materialize=False):
+    """`_Int8`, its fields declared stored."""
+
     q: qax.ArrayValue = qax.array_field(ndim=2, follows=(0, 1), stored=True)
     scale: qax.ArrayValue = qax.array_field(ndim=1, follows=(1,), stored=True)
-
-    def compute_shape(self):
-        return self.q.shape
-
-    def compute_dtype(self):
-        return self.scale.dtype
-
-    def materialize(self):
-        return self.q.astype(self.scale.dtype) * self.scale
 
 
 def _arrivals(jaxpr) -> list:
