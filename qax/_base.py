@@ -26,6 +26,10 @@ class ImplicitBase(metaclass=_ImplicitMeta):
 
     commute_ops: ClassVar[bool] = True
     warn_on_materialize: ClassVar[bool] = True
+    # What a user should do when a value of this type lacks a batch axis that `vmap`
+    # or `scan` needs (read by `qax._batching` into its warnings); None: the general
+    # advice about declaring batch axes.
+    batch_axes_advice: ClassVar[str | None] = None
 
     shape: tuple[int, ...]
     dtype: Any

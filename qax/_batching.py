@@ -82,8 +82,28 @@ def _map_child(child: Any, fn: Callable[[Any], Any]) -> Any:
 
 
 def undeclared_reason(primitive: str, action: str, x: ImplicitBase, axis: int) -> str:
+    """Why `x` cannot be sliced or stacked along `axis` leaf by leaf, and the fix: the
+    type's own `batch_axes_advice` (for its users) if it gives one, else how to declare
+    batch axes."""
     cls = type(x)
-    if batchable(cls) or x.__dict__.get(NB):
+    declared = batchable(cls) or bool(x.__dict__.get(NB))
+    advice = getattr(cls, "batch_axes_advice", None)
+    if advice:
+        nb = x.__dict__.get(NB) or 0
+        why = (
+            _errors.NOT_ONE_OF_THE_BATCH_AXES.format(cls=cls.__name__, nb=nb, axis=axis)
+            if declared
+            else "its type does not declare how its fields carry batch axes"
+        )
+        return _errors.BATCH_AXIS_WITH_ADVICE.format(
+            primitive=primitive,
+            action=action,
+            cls=cls.__name__,
+            axis=axis,
+            why=why,
+            advice=advice,
+        )
+    if declared:
         return _errors.NOT_A_BATCH_AXIS.format(
             primitive=primitive,
             action=action,

@@ -193,9 +193,8 @@ NOT_A_BATCH_AXIS: Final = (
     "`{primitive}` {action} {cls} along axis {axis}, but this {cls} has {nb} batch "
     "dimension(s) (the leading dimensions of its fields beyond their declared ranks), "
     "and axis {axis} is not one of them, so it is materialized. To keep it implicit, "
-    "build it with that axis as a batch axis: for stacked layers, "
-    "`qax.lora.loraify(..., batch_ndim=1)` and `qax.quant.quantize(..., batch_ndim=1)`; "
-    "for your own type, stack fields of the declared ranks."
+    "build it with that axis as a batch axis (stack fields of the declared ranks); a "
+    "type can name its own builder for its users with `batch_axes_advice`."
 )
 
 # -- jax.export and flax.serialization (`qax._integrations`) -----------------------------
@@ -399,4 +398,16 @@ ALL_GATHER_TWICE: Final = (
     "`all_gather` along dimension {dim} of this {cls}: a leaf of shape {shape} runs "
     "along that dimension more than once (as its type declares), and gathering it "
     "leaf by leaf would miss the blocks between devices. It is materialized."
+)
+
+# -- vmap and scan, for types that give their users advice (`qax._batching`) -------------
+
+NOT_ONE_OF_THE_BATCH_AXES: Final = (
+    "this {cls} has {nb} batch dimension(s) (the leading dimensions of its fields beyond "
+    "their declared ranks), and axis {axis} is not one of them"
+)
+
+BATCH_AXIS_WITH_ADVICE: Final = (
+    "`{primitive}` {action} {cls} along axis {axis}, but {why}, so it is materialized. "
+    "To keep it implicit: {advice}"
 )

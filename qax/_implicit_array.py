@@ -165,6 +165,13 @@ class ImplicitArray(ImplicitBase):
     primitives to put this type first), ``warn_on_materialize=False`` (materialize
     silently when no handler applies).
 
+    The class attribute ``batch_axes_advice`` (a string, default ``None``) is what the
+    warning tells your users when `vmap` or `lax.scan` needs a batch axis that a value
+    of this type lacks (e.g. a weight built over layers stacked for `lax.scan` without
+    declaring the stack): name the argument that builds it stacked, as `qax.lora.LoraWeight`
+    names ``qax.lora.loraify(..., batch_ndim=1)``. Without it, the warning says how to
+    declare batch axes on the type.
+
     Examples:
         >>> class Zeros(qax.ImplicitArray):
         ...     default_dtype = jnp.float32

@@ -14,8 +14,22 @@ Two things need this module:
   weight) apart into its fields, so the second `update` fails with a pytree structure
   error. `qax.nnx.Optimizer` is a drop-in replacement that writes the new state back
   `Variable` by `Variable`.
-- `holds`: an NNX filter (for `nnx.state`, `nnx.DiffState`, ``wrt=``) that selects the
-  `Variable`s holding an implicit array of given types, e.g. the LoRA weights.
+- `holds`: an NNX filter (for `nnx.state`, `nnx.split`, `nnx.DiffState`, ``wrt=``) that
+  selects the `Variable`s holding an implicit array of given types, e.g. the LoRA
+  weights.
+
+NNX filters select whole `Variable`s, so ``nnx.DiffState(0, holds(LoraWeight))``
+differentiates everything a selected `Variable` holds. Over a quantized base (QLoRA)
+that includes integer codes, which JAX refuses to differentiate; split the factors off
+instead and differentiate only them (nothing in ``base`` is differentiated)::
+
+    graphdef, lora_state, rest = nnx.split(model, qax.nnx.holds(LoraWeight), ...)
+    adapters, base = qax.lora.split(lora_state)
+    def loss(adapters):
+        model = nnx.merge(graphdef, qax.lora.combine(adapters, base), rest)
+        ...
+    grads = jax.grad(loss)(adapters)    # then optax on `adapters`, and at the end
+    nnx.update(model, qax.lora.combine(adapters, base))
 
 Importing this module imports Flax; `import qax` alone never does.
 
@@ -55,7 +69,10 @@ def holds(*types: type) -> Any:
     With no `types`, any implicit array matches. Combine it with NNX's own filters
     (``nnx.All(nnx.Param, qax.nnx.holds(LoraMatrix))``) and use it wherever NNX takes
     a filter: `nnx.state`, `nnx.split`, `nnx.DiffState` for `nnx.grad`, and ``wrt=`` of
-    `qax.nnx.Optimizer`.
+    `qax.nnx.Optimizer`. It selects whole `Variable`s: to differentiate only the
+    factors of LoRA weights over a quantized base (QLoRA), split them off with
+    ``nnx.split(model, holds(LoraWeight), ...)`` and `qax.lora.split` (see the module
+    docstring).
 
     Examples:
         >>> lora_state = nnx.state(model, qax.nnx.holds(LoraMatrix))

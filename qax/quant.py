@@ -128,6 +128,13 @@ class QuantizedWeight(qax.ImplicitArray):
     """
 
     _ARRAYS: ClassVar[tuple[str, ...]] = ()
+    # What `vmap`/`lax.scan` warnings tell a user whose weight lacks a batch axis.
+    batch_axes_advice = (
+        "for layers stacked along a leading axis (`nnx.vmap`/`nnx.scan` layers, linen "
+        "`nn.scan`, weights stacked for `lax.scan`), quantize with that axis as a batch "
+        "axis, `qax.quant.quantize(params, ..., batch_ndim=1)` (and `qax.lora.loraify"
+        "(..., batch_ndim=1)` over it for QLoRA), so that each layer keeps its own scales."
+    )
 
     # The rank of one (unbatched) weight, the declared rank of every array field; set
     # from the fields when not given (an unbatched weight).

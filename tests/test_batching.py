@@ -125,7 +125,7 @@ def test_scan_over_an_unbatched_square_lora_gives_its_rows(cls):
     # w, a and b all have leading dimension 6 = the scan length: slicing leaves would
     # give w[i] + a[i] @ b[i].T instead of row i.
     w = lora(cls, KEY)
-    advice = "array_field" if cls is UndeclaredLora else "batch_ndim=1"
+    advice = "array_field" if cls is UndeclaredLora else "stack fields of the declared"
     with pytest.warns(qax.MaterializationWarning, match=advice):
         c, ys = qax.use_implicit_args(scan_rows)(w)
     c_want, ys_want = scan_rows(w.materialize())
@@ -141,6 +141,45 @@ def test_scan_over_a_diagonal_type(cls):
     with pytest.warns(qax.MaterializationWarning, match="lax.scan"):
         out = qax.use_implicit_args(lambda d: lax.map(lambda row: row * 3.0, d))(d)
     assert_close(out, jnp.diag(jnp.arange(1.0, 5.0)) * 3.0)
+
+
+class AdvisedDiagonal(Diagonal):
+    batch_axes_advice = "build stacks with `make_diagonals(..., layers=n)`."
+
+
+class AdvisedPlainDiagonal(PlainDiagonal):
+    batch_axes_advice = "build stacks with `make_diagonals(..., layers=n)`."
+
+
+@pytest.mark.parametrize(
+    "cls",
+    [AdvisedPlainDiagonal, AdvisedDiagonal, Diagonal],
+    ids=["undeclared", "declared", "no advice"],
+)
+def test_warnings_about_batch_axes_give_the_types_own_advice(cls):
+    d = cls(jnp.arange(1.0, 5.0))
+    f = qax.use_implicit_args(lambda d: lax.map(lambda row: row * 3.0, d))
+    declared = cls is not AdvisedPlainDiagonal
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", qax.MaterializationWarning)
+        out = f(d)
+        if declared:  # (`vmap` outside maps an undeclared type's leaves)
+            summed = jax.vmap(qax.use_implicit_args(jnp.sum), in_axes=1)(d)
+            assert_close(summed, jnp.diag(jnp.arange(1.0, 5.0)).sum(0))
+    assert_close(out, jnp.diag(jnp.arange(1.0, 5.0)) * 3.0)
+    messages = [str(w.message) for w in seen]
+    assert len(messages) == (2 if declared else 1), messages
+    for text in messages:
+        assert f"{cls.__name__} along axis" in text, text
+        if cls is Diagonal:
+            assert "make_diagonals" not in text and "declared ranks" in text, text
+        else:
+            assert text.endswith(
+                "To keep it implicit: build stacks with `make_diagonals(..., layers=n)`."
+            ), text
+            assert "array_field" not in text, text
+    if cls is AdvisedDiagonal:
+        assert "axis 0 is not one of them" in messages[0]
 
 
 def test_scan_over_stacked_declared_layers_stays_implicit():

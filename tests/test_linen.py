@@ -133,3 +133,56 @@ def test_training_moves_only_the_factors(params):
         assert same == (label == "freeze")
     assert labels.count("train") == 14
     assert jax.tree_util.tree_structure(new) == jax.tree_util.tree_structure(params)
+
+
+def _stack_params():
+    variables = MODEL.init(jax.random.key(0), TOKENS)["params"]
+    return {"blocks": variables["blocks"]}
+
+
+def _blocks(params, h):
+    stack = nn.scan(
+        nn.remat(Block), variable_axes={"params": 0}, split_rngs={"params": True},
+        length=3,
+    )  # fmt: skip
+    return stack().apply({"params": params["blocks"]}, h, None)[0]
+
+
+H = jax.random.normal(jax.random.key(5), (2, 6, 8))
+
+
+def _dense_stack(params):
+    """The oracle: LoRA weights merged, quantized ones decoded."""
+    return qax.quant.dequantize(qax.lora.merge(params))
+
+
+@pytest.mark.parametrize("kind", ["lora", "int8", "qlora"])
+def test_a_scanned_stack_built_without_batch_ndim_names_it(kind):
+    """Forgetting `batch_ndim=1` densifies the stack at every step; the warning says
+    which argument builds it stacked. With it, nothing is materialized."""
+    params = _stack_params()
+
+    def build(batch_ndim):
+        p = params
+        if kind in ("int8", "qlora"):
+            p = qax.quant.quantize(p, "int8", batch_ndim=batch_ndim)
+        if kind in ("lora", "qlora"):
+            p = qax.lora.loraify(p, 2, key=jax.random.key(1), batch_ndim=batch_ndim)
+        return p
+
+    fix = (
+        "quantize(params, ..., batch_ndim=1)"
+        if kind == "int8"
+        else "loraify(params, ..., "
+    )
+    unbatched = build(0)
+    with pytest.warns(qax.MaterializationWarning) as seen:
+        got = jax.jit(qax.use_implicit_args(_blocks))(unbatched, H)
+    texts = [str(w.message) for w in seen]
+    assert all("batch_ndim=1" in t and fix in t for t in texts), texts
+    assert_close(got, _blocks(_dense_stack(unbatched), H))
+
+    stacked = build(1)
+    with qax.materialization_policy(qax.ImplicitArray, "error"):
+        got = jax.jit(qax.use_implicit_args(_blocks))(stacked, H)
+    assert_close(got, _blocks(_dense_stack(stacked), H))

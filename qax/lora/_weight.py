@@ -33,6 +33,16 @@ _BATCHED_BASE = (
 )
 
 
+_STACK_ADVICE = (
+    "for layers stacked along a leading axis (`nnx.vmap`/`nnx.scan` layers, linen "
+    "`nn.scan`, weights stacked for `lax.scan`), build the LoRA weights with that axis "
+    "as a batch axis, `qax.lora.loraify(params, ..., batch_ndim=1)` (over a quantized "
+    "base, quantize with `qax.quant.quantize(params, ..., batch_ndim=1)` first), so "
+    "that each layer gets its own factors. Without it, one LoraWeight spans the whole "
+    "stack, its `b` shared by every layer."
+)
+
+
 def _shape(x: Any) -> tuple[int, ...]:
     return tuple(int(d) for d in jnp.shape(x))
 
@@ -87,6 +97,9 @@ class LoraWeight(qax.ImplicitArray):
     w_ndim: int | None = qax.aux_field(default=None, init=False)
     a_ndim: int | None = qax.aux_field(default=None, init=False)
     b_ndim: int | None = qax.aux_field(default=None, init=False)
+
+    # What `vmap`/`lax.scan` warnings tell a user whose LoraWeight lacks a batch axis.
+    batch_axes_advice = _STACK_ADVICE
 
     def __post_init__(self) -> None:
         w, a, b = _shape(self.w), _shape(self.a), _shape(self.b)
