@@ -42,6 +42,17 @@ class ImplicitBase(metaclass=_ImplicitMeta):
     def aval(self) -> ShapedArray:
         raise NotImplementedError  # provided by qax.ImplicitArray
 
+    def frozen_fields(self) -> tuple[str, ...]:
+        """The child fields that optimizers must leave as they are.
+
+        `qax.utils.apply_updates` and `qax.nnx.Optimizer` keep the leaves of these
+        fields unchanged whatever the updates say (weight decay included), so a value
+        that declares a field frozen (`qax.lora.LoraWeight`'s ``w`` with
+        ``freeze_w=True``) is never moved by them, even without `qax.freeze_keys`. The
+        default: none.
+        """
+        return ()
+
     @classmethod
     def default_handler(cls, primitive: Primitive, *args: Any, params: dict) -> Any:
         """The rule for primitives that no handler covers, for this type.

@@ -20,8 +20,9 @@ import numpy as np
 import optax
 
 from . import _errors
+from ._base import NB, is_implicit
 from ._entry import use_implicit_args
-from ._fields import fields_of
+from ._fields import children_of, fields_of, rebuild
 from ._implicit_array import ImplicitArray
 from ._tree_util import key_value
 from .symbols import SymbolicConstant
@@ -305,8 +306,31 @@ def apply_updates(params: Any, updates: Any) -> Any:
         raise ValueError(
             f"apply_updates: `updates` must have the structure of `params`: {e}"
         ) from None
-    new = [_apply_one(p, u) for p, u in zip(flat_params, flat_updates, strict=True)]
+    frozen = treedef.flatten_up_to(_frozen_mask(params))
+    new = [
+        p if f is True else _apply_one(p, u)
+        for p, u, f in zip(flat_params, flat_updates, frozen, strict=True)
+    ]
     return jax.tree_util.tree_unflatten(treedef, new)
+
+
+def _frozen_mask(tree: Any) -> Any:
+    """`tree` with `True` at every leaf of a field that its implicit array declares
+    frozen (`frozen_fields`), `False` at the other leaves."""
+
+    def one(x: Any) -> Any:
+        if not is_implicit(x):
+            return False
+        frozen = set(x.frozen_fields())
+        children = {
+            name: jax.tree_util.tree_map(lambda _: True, child)
+            if name in frozen
+            else _frozen_mask(child)
+            for name, child in children_of(x).items()
+        }
+        return rebuild(x, children, x.shape, x.__dict__.get(NB, 0))
+
+    return jax.tree_util.tree_map(one, tree, is_leaf=is_implicit)
 
 
 def _apply_one(param: Any, update: Any) -> Any:

@@ -47,7 +47,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import optax
 
 try:
     from flax import nnx
@@ -59,6 +58,7 @@ except ImportError as e:  # pragma: no cover (flax is in the test extra)
 from . import _errors
 from ._base import ImplicitBase
 from ._interpreter import ImplicitTracer
+from ._optax import apply_updates
 
 __all__ = ["Optimizer", "holds"]
 
@@ -160,7 +160,8 @@ class Optimizer(nnx.Optimizer):
         grads = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
         state = nnx.as_pure(self.opt_state)
         updates, new_state = self.tx.update(grads, state, params, **nnx.as_pure(kwargs))
-        nnx.update(model, optax.apply_updates(params, updates))
+        # qax's `apply_updates`: fields that a value declares frozen stay as they are
+        nnx.update(model, apply_updates(params, updates))
         # Each optimizer-state Variable takes the whole new subtree at its position
         # (an implicit array stays one value), instead of NNX's graph flattening of it.
         jax.tree_util.tree_map(

@@ -519,3 +519,24 @@ def test_flax_optimizer_on_implicit_parameters_matches_qax_optimizer():
         for _ in range(2):
             step(model, opt, TOKENS, TARGET)
     assert_close(nnx.state(models[1]), nnx.state(models[0]), rtol=1e-6, atol=1e-6)
+
+
+def test_optimizer_never_moves_a_frozen_base_weight():
+    # `freeze_w=True` without `freeze_keys`: adamw's weight decay would move `w`
+    # through plain optax; qax.nnx.Optimizer keeps it bitwise.
+    model = nnx.Linear(6, 4, rngs=nnx.Rngs(0))
+    w = model.kernel.get_value()
+    model.kernel.set_value(
+        qax.lora.LoraWeight(w, 0.1 * jnp.ones((6, 2)), 0.1 * jnp.ones((2, 4)))
+    )
+    opt = qnnx.Optimizer(model, optax.adamw(1e-2, weight_decay=0.5), wrt=nnx.Param)
+    x = jnp.ones((3, 6))
+
+    def loss(m):
+        return jnp.sum(qax.use_implicit_args(m)(x) ** 2)
+
+    for _ in range(3):
+        opt.update(model, nnx.grad(loss)(model))
+    kernel = model.kernel.get_value()
+    np.testing.assert_array_equal(kernel.w, w)
+    assert not np.allclose(kernel.a, 0.1)

@@ -278,3 +278,35 @@ def test_public_surface():
         assert getattr(qax.utils, name).__doc__, name
     assert qax.utils.vmap_all_but_one.__doc__
     assert set(qax.symbols.__all__) <= set(dir(qax.symbols))
+
+
+def test_apply_updates_never_moves_a_field_its_value_declares_frozen():
+    # LoraWeight(freeze_w=True) declares `w` frozen: weight decay (adamw, no
+    # freeze_keys) would move it; qax's apply_updates leaves it bitwise as it is.
+    key_w, key_a, key_b = jax.random.split(jax.random.PRNGKey(3), 3)
+    w = jax.random.normal(key_w, (6, 4))
+    a = 0.1 * jax.random.normal(key_a, (6, 2))
+    b = 0.1 * jax.random.normal(key_b, (2, 4))
+    params = {
+        "frozen": qax.lora.LoraWeight(w, a, b),
+        "free": qax.lora.LoraWeight(w, a, b, freeze_w=False),
+    }
+    x = jnp.ones((3, 6))
+    tx = optax.adamw(1e-2, weight_decay=0.5)
+    state = tx.init(params)
+    step_loss = qax.use_implicit_args(
+        lambda p: jnp.sum((x @ p["frozen"]) ** 2) + jnp.sum((x @ p["free"]) ** 2)
+    )
+    new = params
+    for _ in range(3):
+        grads = jax.grad(step_loss)(new)
+        updates, state = tx.update(grads, state, new)
+        moved = optax.apply_updates(new, updates)
+        new = apply_updates(new, updates)
+    assert new["frozen"].w is w  # untouched: not even copied
+    assert not np.allclose(moved["frozen"].w, w)  # what optax itself would have done
+    assert not np.allclose(new["free"].w, w)  # not frozen: weight decay moves it
+    assert not np.allclose(new["frozen"].a, a)  # the factors train
+    np.testing.assert_allclose(new["frozen"].b, moved["frozen"].b)
+    assert qax.lora.LoraWeight(w, a, b).frozen_fields() == ("w",)
+    assert params["free"].frozen_fields() == ()

@@ -101,6 +101,11 @@ class LoraWeight(qax.ImplicitArray):
     # What `vmap`/`lax.scan` warnings tell a user whose LoraWeight lacks a batch axis.
     batch_axes_advice = _STACK_ADVICE
 
+    def frozen_fields(self) -> tuple[str, ...]:
+        """``("w",)`` when ``freeze_w``: `qax.utils.apply_updates` and
+        `qax.nnx.Optimizer` then never move the base weight (weight decay included)."""
+        return ("w",) if self.freeze_w else ()
+
     def __post_init__(self) -> None:
         w, a, b = _shape(self.w), _shape(self.a), _shape(self.b)
         nb = _batch_ndim(len(w), len(a), len(b))
