@@ -35,7 +35,7 @@ from typing import Any
 
 import jax
 
-from ._base import NB, ImplicitBase
+from ._base import NB, ImplicitBase, is_implicit
 from ._compat import (
     Primitive,
     Tracer,
@@ -95,32 +95,22 @@ def stored_fields(x: Any) -> tuple[str, ...]:
 def with_stored_arrived(x: Any) -> Any:
     """`x`, with the tracer leaves of its stored fields passed through `arrive`.
 
-    A copy when `x` is an implicit array whose type declares stored fields and some of
-    them hold tracers; else `x` itself. Implicit arrays inside those fields are left to
-    their own declarations.
+    A copy when `x` is an implicit array whose type declares stored fields; else `x`
+    itself. Implicit arrays inside those fields are left to their own declarations.
     """
     names = stored_fields(x)
     if not names:
         return x
     d = x.__dict__
-    changes = {}
-    for name in names:
-        child = d.get(name)
-        if isinstance(child, Tracer):
-            changes[name] = arrive(child)
-        elif isinstance(child, (list, tuple, dict)):
-            leaves, tree = jax.tree_util.tree_flatten(
-                child, is_leaf=lambda y: isinstance(y, ImplicitBase)
-            )
-            if any(isinstance(leaf, Tracer) for leaf in leaves):
-                leaves = [
-                    arrive(leaf) if isinstance(leaf, Tracer) else leaf
-                    for leaf in leaves
-                ]
-                changes[name] = jax.tree_util.tree_unflatten(tree, leaves)
-    if not changes:
-        return x
+    changes = {
+        name: jax.tree_util.tree_map(_arrived, d[name], is_leaf=is_implicit)
+        for name in names
+    }
     return rebuild(x, changes, d["shape"], d.get(NB, 0))
+
+
+def _arrived(leaf: Any) -> Any:
+    return arrive(leaf) if isinstance(leaf, Tracer) else leaf
 
 
 def arrived_operands(trace: Any, vals: list) -> list:

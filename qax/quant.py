@@ -618,19 +618,15 @@ def _options_for(cls: type, options: dict) -> dict:
     """The options of `quantize`'s call that `cls.from_array` takes, for a rule that
     picks another format than the call's: the block size (``block_size`` or
     ``group_size``) under the name the 4-bit format uses, ``axis`` for int8 only."""
-    if cls is Int8Weight:
-        names = ("axis", "batch_ndim")
-    elif cls in (Int4Weight, NF4Weight):
-        names = ("batch_ndim",)
-        if "block_size" in options or "group_size" in options:
-            size_name = "group_size" if cls is Int4Weight else "block_size"
-            return {
-                **{n: options[n] for n in names if n in options},
-                size_name: _block_size(options),
-            }
-    else:
+    if cls not in _FORMATS.values():
         return dict(options)
-    return {n: options[n] for n in names if n in options}
+    out = {"batch_ndim": options["batch_ndim"]} if "batch_ndim" in options else {}
+    if cls is Int8Weight:
+        if "axis" in options:
+            out["axis"] = options["axis"]
+    elif "block_size" in options or "group_size" in options:
+        out["group_size" if cls is Int4Weight else "block_size"] = _block_size(options)
+    return out
 
 
 def _format(fmt: Any) -> type:

@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from .. import _dispatch, _errors
-from .._base import NB, ImplicitBase, is_implicit
+from .._base import NB, ImplicitBase
 from .._batching import stack_like, stackable
 from .._compat import (
     bind_with_trace,
@@ -35,7 +35,7 @@ from .._compat import (
     varying_axes,
 )
 from .._entry import densify
-from .._fields import children_of, rebuild
+from .._fields import rebuild
 from .._interpreter import ImplicitTrace, materialize_and_bind
 from .._partition import Undeclared, child_specs, first_undeclared, leaf_specs
 from ._staging import (
@@ -67,27 +67,28 @@ def _fit_spec(value: Any, spec: Any) -> Any:
     return densify(value, "shard_map", reason)
 
 
-def _spec_sizes(spec: Any, mesh: Any) -> list[int]:
-    """How many shards each dimension is split into by `spec` on `mesh`."""
+def _spec_sizes(spec: Any, axis_sizes: Any) -> list[int]:
+    """How many shards each dimension is split into by `spec` (`axis_sizes`: the size
+    of each mesh axis by name)."""
     sizes = []
     for axes in spec:
         n = 1
         for name in (axes,) if isinstance(axes, str) else axes or ():
-            n *= mesh.shape[name]
+            n *= axis_sizes[name]
         sizes.append(n)
     return sizes
 
 
-def _reshard(x: Any, spec: Any, mesh: Any, local: bool) -> Any:
+def _reshard(x: Any, spec: Any, axis_sizes: Any, local: bool) -> Any:
     """`x` with the shape one shard sees (`local`), or the global shape again.
 
-    Shard-map splits the leaves; the shapes that implicit arrays keep as metadata
-    (theirs, and those of the implicit arrays their fields hold, split by the specs
-    their types declare) are split here.
+    Shard-map splits the leaves (and `all_gather` joins them); the shapes that
+    implicit arrays keep as metadata (theirs, and those of the implicit arrays their
+    fields hold, split by the specs their types declare) are split (joined) here.
     """
     if not isinstance(x, ImplicitBase):
         return x
-    sizes = _spec_sizes(spec, mesh)
+    sizes = _spec_sizes(spec, axis_sizes)
     if len(sizes) > len(x.shape):
         return x
     shape = [
@@ -98,7 +99,7 @@ def _reshard(x: Any, spec: Any, mesh: Any, local: bool) -> Any:
     for name, child_spec in child_specs(x, spec).items():
         child = x.__dict__[name]
         if isinstance(child, ImplicitBase) and not isinstance(child_spec, Undeclared):
-            children[name] = _reshard(child, child_spec, mesh, local)
+            children[name] = _reshard(child, child_spec, axis_sizes, local)
     return rebuild(x, children, tuple(shape), x.__dict__.get(NB, 0))
 
 
@@ -110,7 +111,7 @@ def _shard_map_rule(trace, primitive, fun, vals, params):
     with set_current_trace(trace.parent_trace):
         vals = [_fit_spec(v, s) for v, s in zip(vals, params["in_specs"], strict=True)]
     local_vals = [
-        _reshard(v, s, mesh, True)
+        _reshard(v, s, mesh.shape, True)
         for v, s in zip(vals, params["in_specs"], strict=True)
     ]
     in_tree, info = jax.tree_util.tree_structure(local_vals), _Outputs()
@@ -138,7 +139,9 @@ def _shard_map_rule(trace, primitive, fun, vals, params):
     with set_current_trace(trace.parent_trace):
         out = primitive.bind(*_leaves(vals), subfuns=(body,), **new_params)
     outs = jax.tree_util.tree_unflatten(info.tree, list(out.vals))
-    outs = [_reshard(o, s, mesh, False) for o, s in zip(outs, specs_out, strict=True)]
+    outs = [
+        _reshard(o, s, mesh.shape, False) for o, s in zip(outs, specs_out, strict=True)
+    ]
     return template[0].update([trace.wrap(o) for o in outs])
 
 
@@ -174,7 +177,7 @@ def _gather_leaves(trace: ImplicitTrace, primitive, x: ImplicitBase, params: dic
     axes = params["axis_name"]
     axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
     dim, n = params["all_gather_dimension"], params["axis_size"]
-    leaves = jax.tree_util.tree_leaves(x)
+    leaves, tree = jax.tree_util.tree_flatten(x)
 
     def gather(leaf, leaf_dim, tiled):
         with set_current_trace(trace.parent_trace):
@@ -211,25 +214,7 @@ def _gather_leaves(trace: ImplicitTrace, primitive, x: ImplicitBase, params: dic
         leaf if d is None else gather(leaf, d, True)
         for leaf, d in zip(leaves, plan, strict=True)
     ]
-    return _regrown(x, marked, iter(out), n)
-
-
-def _regrown(x: Any, spec: PartitionSpec, leaves: Any, n: int) -> Any:
-    """`x` around the next of `leaves`, its (and its implicit fields') dimensions that
-    run along the marked one `n` times longer."""
-    if not is_implicit(x):
-        return next(leaves)
-    children = {}
-    specs = child_specs(x, spec)
-    for name, child in children_of(x).items():
-        children[name] = jax.tree_util.tree_map(
-            lambda y, s=specs[name]: _regrown(y, s, leaves, n),
-            child,
-            is_leaf=is_implicit,
-        )
-    entries = (*spec, *([None] * (len(x.shape) - len(spec))))
-    shape = tuple(d * n if e == _GATHERED else d for d, e in zip(x.shape, entries))
-    return rebuild(x, children, shape, x.__dict__.get(NB, 0))
+    return _reshard(tree.unflatten(out), marked, {_GATHERED: n}, local=False)
 
 
 _dispatch.primitive_rules[jax.lax.all_gather_p] = _all_gather_rule
