@@ -778,3 +778,168 @@ def test_scan_over_stacked_lora_weights_stays_implicit():
         jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads)
     ):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------
+# PEFT-style adapters on einsum kernels: `a` along any axes of the weight (`a_axes`)
+
+
+def make_axes_weight(shape, a_axes, rank=3, seed=0, batch=()):
+    """A LoraWeight whose `a` runs along the weight axes `a_axes`, with random factors."""
+    kw, ka, kb = jax.random.split(jax.random.PRNGKey(seed), 3)
+    rest = [i for i in range(len(shape)) if i not in a_axes]
+    w = jax.random.normal(kw, (*batch, *shape))
+    a = 0.5 * jax.random.normal(ka, (*batch, *(shape[i] for i in a_axes), rank))
+    b = 0.5 * jax.random.normal(kb, (*batch, rank, *(shape[i] for i in rest)))
+    return LoraWeight(w, a, b, alpha=2.0 * rank, a_axes=a_axes)
+
+
+# (name, weight shape, a_axes, x shape, function of (x, w)): the kernels of a Gemma-style
+# attention block, with `a` on the contracted axes as PEFT and qwix lay them out.
+AXES_DOT_CASES = [
+    ("q (N,D,H)", (2, 8, 4), (1,), (3, 5, 8), lambda x, w: jnp.einsum("btd,ndh->btnh", x, w)),
+    ("kv (2,K,D,H)", (2, 1, 8, 4), (2,), (3, 5, 8), lambda x, w: jnp.einsum("btd,ckdh->cbtkh", x, w)),
+    ("qkv (3,N,D,H)", (3, 2, 8, 4), (2,), (5, 8), lambda x, w: jnp.einsum("td,cndh->ctnh", x, w)),
+    ("out (N,H,D) on b", (2, 4, 8), (2,), (3, 2, 4), lambda x, w: jnp.einsum("bnh,nhd->bd", x, w)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name, shape, a_axes, x_shape, fn",
+    AXES_DOT_CASES,
+    ids=[c[0] for c in AXES_DOT_CASES],
+)
+def test_adapters_along_any_axes_stay_implicit_in_products(
+    name, shape, a_axes, x_shape, fn
+):
+    lora = make_axes_weight(shape, a_axes)
+    x = normal(x_shape)
+    assert lora.a_axes == a_axes
+    np.testing.assert_allclose(
+        lora.materialize(),
+        lora.w + lora.scale * jnp.moveaxis(
+            jnp.tensordot(lora.a, lora.b, 1), tuple(range(len(a_axes))), a_axes
+        ),
+        rtol=1e-5, atol=1e-5,
+    )  # fmt: skip
+    report = check_primitive(fn, "dot_general", x, lora)
+    assert set(dict(report.checks).values()) == {"passed"}
+    assert not report.materializations
+    assert_no_dense_weight(fn, x, lora, shape=shape)
+
+
+AXES_STRUCTURAL = [
+    ("transpose-to-leading", lambda w: jnp.transpose(w, (1, 0, 2))),
+    ("transpose-reorders-b", lambda w: jnp.transpose(w, (2, 1, 0))),
+    ("slice", lambda w: w[1:, :5, ::2]),
+    ("split-a-axis", lambda w: jnp.split(w, [3], axis=1)[0]),
+    ("split-b-axis", lambda w: jnp.split(w, [1], axis=0)[1]),
+    ("dynamic-slice", lambda w: lax.dynamic_slice(w, (1, 2, 0), (1, 3, 4))),
+    ("scalar-mul", lambda w: w * 3.0),
+    ("astype-bf16", lambda w: w.astype(jnp.bfloat16)),
+]
+
+
+@pytest.mark.parametrize(
+    "name, fn", AXES_STRUCTURAL, ids=[c[0] for c in AXES_STRUCTURAL]
+)
+def test_structural_ops_on_adapters_along_any_axes(name, fn):
+    lora = make_axes_weight((2, 8, 4), (1,))
+    with qax.materialization_policy(LoraWeight, "error"):
+        out = qax.use_implicit_args(fn)(lora)
+    assert isinstance(out, LoraWeight), type(out)
+    want = fn(lora.materialize())
+    got = out.materialize()
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2
+    )
+
+
+def test_transposes_of_adapters_along_any_axes_pass_check_handler():
+    lora = make_axes_weight((2, 8, 4), (1,))
+    check_primitive(lambda w: jnp.transpose(w, (2, 1, 0)), "transpose", lora)
+    check_primitive(lambda w: w[1:, :5], "slice", lora)
+    # The two-axis layouts a transpose of a leading-axes weight can give, too.
+    flat = make_lora_weight((3, 4, 5), split_at=1)
+    out = qax.use_implicit_args(lambda w: jnp.transpose(w, (1, 0, 2)))(flat)
+    assert out.a_axes == (1,)
+    check_primitive(lambda w: jnp.transpose(w, (1, 0, 2)), "transpose", flat)
+
+
+def test_loraify_a_axes_gives_peft_style_adapters_and_counts():
+    n, d, h, k, r = 4, 16, 8, 2, 4
+    key = jax.random.key(0)
+    params = {
+        "q_einsum": {"kernel": normal((n, d, h))},
+        "kv_einsum": {"kernel": normal((2, k, d, h))},
+        "attn_vec": {"kernel": normal((n, h, d))},
+    }
+    rules = [
+        ("q_einsum/kernel", {"a_axes": (1,)}),
+        ("kv_einsum/kernel", {"a_axes": (-2,)}),
+    ]
+    out = qax.lora.loraify(params, r, key=key, rules=rules)
+    q, kv, o = (out[m]["kernel"] for m in ("q_einsum", "kv_einsum", "attn_vec"))
+    assert (q.a.shape, q.b.shape, q.a_axes) == ((d, r), (r, n, h), (1,))
+    assert (kv.a.shape, kv.b.shape, kv.a_axes) == ((d, r), (r, 2, k, h), (2,))
+    # attn_vec (N, H, D) contracts its leading axes: the default layout already.
+    assert (o.a.shape, o.b.shape, o.a_axes) == ((n, h, r), (r, d), None)
+    want = r * (d + n * h) + r * (d + 2 * k * h) + r * (n * h + d)
+    assert qax.lora.trainable_count(out) == want
+    # The contiguous split would give q a (N, D, r): more numbers, one b for all heads.
+    plain = qax.lora.loraify(params, r, key=key)
+    assert qax.lora.trainable_count(plain) > want
+    # b starts at zero: the model computes what it computed before.
+    np.testing.assert_array_equal(
+        qax.lora.merge(out)["q_einsum"]["kernel"], params["q_einsum"]["kernel"]
+    )
+    # split / combine and a function of (path, leaf) keep the layout.
+    adapters, base = qax.lora.split(out)
+    assert qax.lora.combine(adapters, base)["q_einsum"]["kernel"].a_axes == (1,)
+    by_fn = qax.lora.loraify(params, r, key=key, a_axes=lambda path, w: (w.ndim - 2,))
+    assert by_fn["q_einsum"]["kernel"].a_axes == (1,)
+    assert by_fn["attn_vec"]["kernel"].a_axes == (1,)
+
+
+def test_a_axes_errors_name_the_weight_and_the_fix():
+    w = normal((2, 8, 4))
+    for bad in [(0, 0), (5,), (0, 1, 2), ()]:
+        with pytest.raises(ValueError, match=r"a_axes=.*'q'.*distinct axes"):
+            qax.lora.loraify({"q": w}, 2, key=jax.random.key(0), a_axes=bad)
+    with pytest.raises(ValueError, match=r"a_axes=\(0,\).*`a` must have shape"):
+        LoraWeight(w, jnp.ones((8, 2)), jnp.ones((2, 2, 4)), a_axes=(0,))
+    with pytest.raises(ValueError, match="distinct axes"):
+        LoraWeight(w, jnp.ones((8, 2)), jnp.ones((2, 2, 4)), a_axes=(1, 1))
+
+
+def test_stacked_adapters_along_any_axes_scan_and_train():
+    """A layer stack (batch_ndim=1) with PEFT-style adapters: lax.scan slices it, and
+    gradients of the factors match the dense oracle."""
+    stack = qax.lora.loraify(
+        {"q": normal((3, 2, 8, 4))}, 2, key=jax.random.key(1), a_axes=(1,), batch_ndim=1
+    )["q"]
+    assert (stack.a.shape, stack.b.shape) == ((3, 8, 2), (3, 2, 2, 4))
+    stack = LoraWeight(stack.w, stack.a, normal(stack.b.shape), a_axes=(1,))
+    assert stack.field_dims() == {"w": (0, 1, 2), "a": (1, None), "b": (None, 0, 2)}
+    x = normal((5, 8))
+
+    def loss(w):
+        def body(h, layer):
+            y = jnp.einsum("td,ndh->tnh", h, layer)
+            return jnp.tanh(y.sum(-1) @ jnp.ones((2, 8))), None
+
+        return jnp.sum(lax.scan(body, x, w)[0] ** 2)
+
+    def of_factors(f, a, b):
+        return f(LoraWeight(stack.w, a, b, a_axes=(1,)))
+
+    with qax.materialization_policy(LoraWeight, "error"):
+        got = jax.jit(
+            jax.grad(lambda a, b: of_factors(qax.use_implicit_args(loss), a, b), (0, 1))
+        )(stack.a, stack.b)
+    want = jax.grad(
+        lambda a, b: loss(LoraWeight(stack.w, a, b, a_axes=(1,)).materialize()), (0, 1)
+    )(stack.a, stack.b)
+    for g, e in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-4)

@@ -149,6 +149,20 @@ def test_implicit_specs_batch_dims_lead():
     )
 
 
+def test_implicit_specs_of_adapters_along_any_axes():
+    # A Gemma-style query kernel (heads, d_model, head_dim) with PEFT-style factors:
+    # a (d_model, rank) follows the model axis, b (rank, heads, head_dim) the heads.
+    lora = qax.lora.LoraWeight(
+        jnp.zeros((4, 8, 2)), jnp.zeros((8, 3)), jnp.zeros((3, 4, 2)), a_axes=(1,)
+    )
+    got = qax.sharding.implicit_specs(lora, P("m", "d", None))
+    assert (got.w, got.a, got.b) == (
+        P("m", "d", None),
+        P("d", None),
+        P(None, "m", None),
+    )
+
+
 def test_implicit_specs_nested_quantized_base():
     q = _Int8(jnp.zeros((8, 6), jnp.int8), jnp.ones((6,)))
     lora = _Lora(q, jnp.zeros((8, 2)), jnp.zeros((6, 2)))

@@ -28,6 +28,10 @@ For a Flax convolution kernel ``(*spatial, in, out)``, ``a`` is ``(*spatial, in,
 convolution), as in PEFT's convolution LoRA. Equinox stores ``Linear`` weights as
 ``(out, in)`` and convolutions as ``(out, in, *spatial)``: use ``split_at=1`` in `loraify`
 (``a: (out, rank)``, ``b: (rank, in, *spatial)``).
+Einsum kernels whose contracted axes are not the leading ones (a query kernel
+``(heads, d_model, head_dim)``) take ``a_axes``: ``a`` runs along the named axes of ``w``
+and ``b`` along the others, ``a (d_model, rank)``, ``b (rank, heads, head_dim)`` for
+``a_axes=(1,)``, the adapter PEFT and qwix put on such kernels.
 
 **Gradients.** With ``freeze_w=True`` (the default) the handlers (and `materialize`) apply
 `jax.lax.stop_gradient` to ``w``: differentiating a loss with respect to a whole

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import re
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -70,6 +70,7 @@ def loraify(
     alpha: float | None = None,
     filter: Callable[[str, Any], bool] | None = None,
     split_at: int | Callable[[str, Any], int] | None = None,
+    a_axes: Sequence[int] | Callable[[str, Any], Sequence[int]] | None = None,
     freeze_w: bool = True,
     dtype: Any = None,
     batch_ndim: int | Callable[[str, Any], int] = 0,
@@ -105,6 +106,15 @@ def loraify(
         all but the last axis go to ``a`` (Flax ``(in, out)`` kernels and
         ``(*spatial, in, out)`` convolutions); use ``1`` for Equinox ``(out, in, ...)``
         weights. (Not `LoraWeight.a_ndim`, the rank of ``a``, which is ``split_at + 1``.)
+      a_axes: which of a weight's axes go to ``a`` (a tuple of axes of one unbatched
+        weight, or a function of ``(path, leaf)``); the others go to ``b``, in order.
+        Given, it takes the place of ``split_at``. For an einsum kernel whose input
+        axis is not first, this makes the adapter PEFT and qwix make: the query kernel
+        ``(heads, d_model, head_dim)`` of ``x @ W`` over ``d_model`` with
+        ``a_axes=(1,)`` gets ``a (d_model, rank)`` and ``b (rank, heads, head_dim)``,
+        one ``b`` column block per head, where ``split_at`` can only cut the axes in
+        order. (Name the contracted axes: the adapter then costs
+        ``rank * (contracted size + the rest)`` numbers.)
       freeze_w: passed to every `LoraWeight`.
       dtype: the dtype of the new factors (default: the weight's).
       batch_ndim: leading axes of a chosen weight that stack independent weights
@@ -115,7 +125,8 @@ def loraify(
       rules: per-path settings, like qwix's rules: an ordered list of ``(pattern,
         settings)``. The first pattern (a regular expression) that matches all of a
         weight's path decides for it: ``settings`` is a dict overriding this call's
-        ``rank``, ``alpha``, ``split_at``, ``freeze_w``, ``dtype`` and ``batch_ndim``
+        ``rank``, ``alpha``, ``split_at``, ``a_axes``, ``freeze_w``, ``dtype`` and
+        ``batch_ndim``
         for that weight, which is then chosen whatever ``filter`` says; or ``None``,
         to leave it alone. Weights that no pattern matches are chosen by ``filter``
         and get this call's settings.
@@ -124,13 +135,15 @@ def loraify(
       ``params`` with the chosen weights replaced by `LoraWeight`s.
 
     Raises:
-      ValueError: ``rank`` is not positive, ``split_at`` leaves a factor no axis, or
-        a rule is malformed (see `qax.utils.path_rules`).
+      ValueError: ``rank`` is not positive, ``split_at`` leaves a factor no axis,
+        ``a_axes`` names no axis, every axis or an axis twice, or a rule is malformed
+        (see `qax.utils.path_rules`).
     """
     defaults = {
         "rank": rank,
         "alpha": alpha,
         "split_at": split_at,
+        "a_axes": a_axes,
         "freeze_w": freeze_w,
         "dtype": dtype,
         "batch_ndim": batch_ndim,
@@ -166,21 +179,51 @@ def _adapted(name: str, leaf: Any, key: jax.Array, s: dict) -> Any:
     if len(leaf.shape) - nb < 2:
         return leaf
     lead, shape = tuple(leaf.shape[:nb]), tuple(leaf.shape[nb:])
-    p = s["split_at"](name, leaf) if callable(s["split_at"]) else s["split_at"]
-    p = len(shape) - 1 if p is None else int(p)
-    if not 1 <= p <= len(shape) - 1:
-        raise ValueError(
-            _BAD_SPLIT.format(
-                split_at=p, path=name, shape=leaf.shape, most=len(shape) - 1
-            )
-        )
+    a_axes, b_axes = _factor_axes(name, leaf, shape, s)
     factor_dtype = s["dtype"] or leaf.dtype
     k = jax.random.fold_in(key, zlib.crc32(name.encode()) % (2**31))
-    fan_in = math.prod(shape[:p])
-    a = jax.random.normal(k, (*lead, *shape[:p], rank), jnp.float32)
-    a = (a / np.sqrt(fan_in)).astype(factor_dtype)
-    b = jnp.zeros((*lead, rank, *shape[p:]), factor_dtype)
-    return LoraWeight(leaf, a, b, alpha=s["alpha"], freeze_w=s["freeze_w"])
+    a_shape = tuple(shape[i] for i in a_axes)
+    a = jax.random.normal(k, (*lead, *a_shape, rank), jnp.float32)
+    a = (a / np.sqrt(math.prod(a_shape))).astype(factor_dtype)
+    b = jnp.zeros((*lead, rank, *(shape[i] for i in b_axes)), factor_dtype)
+    return LoraWeight(
+        leaf, a, b, alpha=s["alpha"], freeze_w=s["freeze_w"], a_axes=a_axes
+    )
+
+
+_BAD_AXES = (
+    "loraify: a_axes={axes} for the weight at {path!r} of shape {shape}: it must name "
+    "distinct axes of one (unbatched) weight ({k} axes: -{k}..{top}), at least one and "
+    "not all of them, so that each factor gets an axis."
+)
+
+
+def _factor_axes(
+    name: str, leaf: Any, shape: tuple, s: dict
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The axes of one weight that ``a`` and ``b`` run along (`loraify`'s ``a_axes``
+    or ``split_at``)."""
+    k = len(shape)
+    if s["a_axes"] is not None:
+        given = s["a_axes"](name, leaf) if callable(s["a_axes"]) else s["a_axes"]
+        try:
+            axes = tuple(int(i) for i in given)
+        except TypeError:
+            axes = ()
+        ok = 1 <= len(axes) < k and all(-k <= i < k for i in axes)
+        if ok and len({i % k for i in axes}) == len(axes):
+            axes = tuple(i % k for i in axes)
+            return axes, tuple(i for i in range(k) if i not in axes)
+        raise ValueError(
+            _BAD_AXES.format(axes=given, path=name, shape=leaf.shape, k=k, top=k - 1)
+        )
+    p = s["split_at"](name, leaf) if callable(s["split_at"]) else s["split_at"]
+    p = k - 1 if p is None else int(p)
+    if not 1 <= p <= k - 1:
+        raise ValueError(
+            _BAD_SPLIT.format(split_at=p, path=name, shape=leaf.shape, most=k - 1)
+        )
+    return tuple(range(p)), tuple(range(p, k))
 
 
 def merge(params: Any) -> Any:
@@ -229,7 +272,9 @@ def split(params: Any) -> tuple[Any, Any]:
     def adapter(x: Any) -> Any:
         if not _is_lora(x):
             return None
-        return LoraAdapter(x.a, x.b, alpha=x.alpha, freeze_w=x.freeze_w)
+        return LoraAdapter(
+            x.a, x.b, alpha=x.alpha, freeze_w=x.freeze_w, a_axes=x.a_axes
+        )
 
     def frozen(x: Any) -> Any:
         return x.w if _is_lora(x) else x
@@ -270,7 +315,12 @@ def combine(adapters: Any, base: Any) -> Any:
         if adapter is None:
             return w
         return LoraWeight(
-            w, adapter.a, adapter.b, alpha=adapter.alpha, freeze_w=adapter.freeze_w
+            w,
+            adapter.a,
+            adapter.b,
+            alpha=adapter.alpha,
+            freeze_w=adapter.freeze_w,
+            a_axes=adapter.a_axes,
         )
 
     try:

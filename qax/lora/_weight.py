@@ -23,6 +23,19 @@ _BAD_FACTORS = (
 )
 
 
+_BAD_AXES = (
+    "LoraWeight: a_axes={axes} for a weight of shape {w}: it must name {n} distinct "
+    "axes of one (unbatched) weight, in -{k}..{top}, one for each axis of `a` before "
+    "the rank (a {a})."
+)
+
+_AXES_MISFIT = (
+    "LoraWeight: the factors do not fit the weight with a_axes={axes}: `a` must have "
+    "shape (*(w.shape[i] for i in a_axes), rank) and `b` shape (rank, *(the other axes "
+    "of w, in order)); got w {w}, a {a}, b {b}."
+)
+
+
 _BATCHED_BASE = (
     "LoraWeight: `w` is a {cls} of shape {w} with {k} batch dimension(s), but the "
     "factors stack {nb} weight(s) along {nb} leading dimension(s) (a {a}, b {b}). A "
@@ -56,7 +69,11 @@ class LoraWeight(qax.ImplicitArray):
     """The weight ``w + (alpha / rank) * tensordot(a, b, 1)``, stored as its factors.
 
     ``w`` has shape ``(*A, *B)``, ``a`` shape ``(*A, rank)``, ``b`` shape ``(rank, *B)``
-    (see the module docstring for the layouts of Flax and Equinox weights). ``w`` may
+    (see the module docstring for the layouts of Flax and Equinox weights). With
+    ``a_axes``, ``A`` may be any axes of ``w``: ``a`` runs along ``w``'s axes ``a_axes``
+    (in that order), ``b`` along the others (in ``w``'s order), as PEFT and qwix lay out
+    adapters on einsum kernels: for a query kernel ``(heads, d_model, head_dim)``,
+    ``a_axes=(1,)`` gives ``a (d_model, rank)`` and ``b (rank, heads, head_dim)``. ``w`` may
     itself be an implicit array, e.g. a `qax.quant.NF4Weight` (QLoRA). The dtype is what
     JAX's type promotion gives for ``w``, ``a`` and ``b``.
 
@@ -73,6 +90,9 @@ class LoraWeight(qax.ImplicitArray):
       alpha: the LoRA scale numerator: the update is scaled by ``alpha / rank``
         (``None``: ``alpha = rank``, a scale of 1).
       freeze_w: stop gradients into ``w`` (default ``True``).
+      a_axes: the axes of (one unbatched) ``w`` that ``a`` runs along, in ``a``'s order;
+        ``b`` runs along the rest. ``None`` (the default): ``w``'s leading axes, as many
+        as ``a`` has before the rank. Stored as ``None`` when it names exactly those.
 
     Leading axes shared by ``w``, ``a`` and ``b`` beyond what the layout needs stack
     independent weights (layers stacked for `lax.scan`): ``w (L, *A, *B)``, ``a (L,
@@ -83,7 +103,8 @@ class LoraWeight(qax.ImplicitArray):
     (``qax.array_field(ndim="w_ndim")``).
 
     Raises:
-      ValueError: the shapes of ``w``, ``a`` and ``b`` do not fit together.
+      ValueError: the shapes of ``w``, ``a`` and ``b`` do not fit together, or
+        ``a_axes`` does not name distinct axes of ``w``.
     """
 
     w: qax.ArrayValue = qax.array_field(ndim="w_ndim")
@@ -91,6 +112,7 @@ class LoraWeight(qax.ImplicitArray):
     b: qax.ArrayValue = qax.array_field(ndim="b_ndim")
     alpha: float | None = qax.aux_field(default=None)
     freeze_w: bool = qax.aux_field(default=True)
+    a_axes: tuple[int, ...] | None = qax.aux_field(default=None)
     # The ranks of one (unbatched) w, a and b, set from the shapes of the fields:
     # leading axes shared by all three beyond them are batch axes (a stack of LoRA
     # weights, sliced by `lax.scan` and `vmap`).
@@ -110,15 +132,21 @@ class LoraWeight(qax.ImplicitArray):
         w, a, b = _shape(self.w), _shape(self.a), _shape(self.b)
         nb = _batch_ndim(len(w), len(a), len(b))
         ok = nb >= 0 and len(a) - nb >= 2 and len(b) - nb >= 2
+        given = self.a_axes
+        if ok and given is not None:
+            self.a_axes = _checked_axes(given, w, a, nb)
         if ok:
             core_a, core_b = a[nb:], b[nb:]
+            a_axes, b_axes = _layout(len(w) - nb, len(core_a) - 1, self.a_axes)
             ok = (
                 w[:nb] == a[:nb] == b[:nb]
                 and core_a[-1] == core_b[0]
-                and core_a[:-1] + core_b[1:] == w[nb:]
+                and core_a[:-1] == tuple(w[nb + i] for i in a_axes)
+                and core_b[1:] == tuple(w[nb + i] for i in b_axes)
             )
         if not ok:
-            raise ValueError(_BAD_FACTORS.format(w=w, a=a, b=b))
+            template = _BAD_FACTORS if given is None else _AXES_MISFIT
+            raise ValueError(template.format(w=w, a=a, b=b, axes=given))
         k = qax.utils.batch_ndim(self.w)
         if isinstance(self.w, qax.ImplicitArray) and k is not None and k != nb:
             raise ValueError(
@@ -154,14 +182,26 @@ class LoraWeight(qax.ImplicitArray):
         w = lax.stop_gradient(self.w) if self.freeze_w else self.w
         return w if w.dtype == self.dtype else w.astype(self.dtype)
 
+    def axes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The axes of one (unbatched) weight that ``a`` and ``b`` run along (each in
+        its factor's order)."""
+        nb = _batch_ndim(self.w.ndim, self.a.ndim, self.b.ndim)
+        return _layout(self.w.ndim - nb, self.a.ndim - nb - 1, self.a_axes)
+
     def delta(self) -> jax.Array:
-        """The dense update ``(alpha / rank) * tensordot(a, b, 1)`` (for `merge`)."""
+        """The dense update ``(alpha / rank) * tensordot(a, b, 1)`` (for `merge`), laid
+        out like ``w``."""
         nb = _batch_ndim(self.w.ndim, self.a.ndim, self.b.ndim)
         lead, rank = _shape(self.a)[:nb], self.rank
         a_core, b_core = _shape(self.a)[nb:-1], _shape(self.b)[nb + 1 :]
         a = jnp.reshape(self.a, (*lead, math.prod(a_core), rank))
         b = jnp.reshape(self.b, (*lead, rank, math.prod(b_core)))
         ab = jnp.reshape(jnp.matmul(a * self.scale, b), (*lead, *a_core, *b_core))
+        if self.a_axes is not None:
+            order = [*self.a_axes, *self.axes()[1]]
+            ab = lax.transpose(
+                ab, (*range(nb), *(nb + order.index(i) for i in range(len(order))))
+            )
         return ab.astype(self.dtype)
 
     def materialize(self) -> jax.Array:
@@ -172,13 +212,39 @@ class LoraWeight(qax.ImplicitArray):
         `qax.sharding`): ``w`` all of them, ``a`` those of ``A`` then the rank,
         ``b`` the rank then those of ``B``."""
         nb = _batch_ndim(jnp.ndim(self.w), jnp.ndim(self.a), jnp.ndim(self.b))
-        n_a = jnp.ndim(self.a) - nb - 1
         n_w = jnp.ndim(self.w) - nb
-        return {
-            "w": tuple(range(n_w)),
-            "a": (*range(n_a), None),
-            "b": (None, *range(n_a, n_w)),
-        }
+        a_axes, b_axes = _layout(n_w, jnp.ndim(self.a) - nb - 1, self.a_axes)
+        return {"w": tuple(range(n_w)), "a": (*a_axes, None), "b": (None, *b_axes)}
+
+
+def _layout(
+    n_w: int, n_a: int, a_axes: tuple[int, ...] | None
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The axes of an `n_w`-axis weight that `a` (`n_a` axes before the rank) and `b`
+    run along."""
+    if a_axes is None:
+        return tuple(range(n_a)), tuple(range(n_a, n_w))
+    return tuple(a_axes), tuple(i for i in range(n_w) if i not in a_axes)
+
+
+def _checked_axes(axes: Any, w: tuple, a: tuple, nb: int) -> tuple[int, ...] | None:
+    """``a_axes`` normalized (non-negative, ``None`` for the leading axes), or a
+    ValueError."""
+    k, n = len(w) - nb, len(a) - nb - 1
+    try:
+        given = tuple(int(i) for i in axes)
+    except TypeError:
+        given = None
+    ok = (
+        given is not None
+        and len(given) == n
+        and all(-k <= i < k for i in given)
+        and len({i % k for i in given}) == n
+    )
+    if not ok:
+        raise ValueError(_BAD_AXES.format(axes=axes, w=w, n=n, k=k, top=k - 1, a=a))
+    given = tuple(i % k for i in given)
+    return None if given == tuple(range(n)) else given
 
 
 @jax.tree_util.register_dataclass
@@ -186,14 +252,17 @@ class LoraWeight(qax.ImplicitArray):
 class LoraAdapter:
     """The trainable part of one `LoraWeight`: its factors ``a`` and ``b`` (see `split`).
 
-    A plain pytree (two array leaves); ``alpha`` and ``freeze_w`` are static metadata, so
-    that `combine` rebuilds the same `LoraWeight`.
+    A plain pytree (two array leaves); ``alpha``, ``freeze_w`` and ``a_axes`` are static
+    metadata, so that `combine` rebuilds the same `LoraWeight`.
     """
 
     a: Any
     b: Any
     alpha: float | None = dataclasses.field(default=None, metadata={"static": True})
     freeze_w: bool = dataclasses.field(default=True, metadata={"static": True})
+    a_axes: tuple[int, ...] | None = dataclasses.field(
+        default=None, metadata={"static": True}
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -253,9 +322,10 @@ def _lora_product(x, lora, dimension_numbers, lora_is_rhs, params):
     for xi, li in zip(xb, lb, strict=True):
         lora_labels[li] = xi
     contract, batch = set(xc), [x_labels[i] for i in xb]
-    p = lora.a.ndim - 1
+    a_axes, b_axes = lora.axes()
     a, b = _factors(lora)
-    a_labels, b_labels = [*lora_labels[:p], _RANK], [_RANK, *lora_labels[p:]]
+    a_labels = [*(lora_labels[i] for i in a_axes), _RANK]
+    b_labels = [_RANK, *(lora_labels[i] for i in b_axes)]
     # Contract x first with the factor that shares more contracted axes with it, so that
     # the intermediate result has the small rank axis.
     in_a = sum(k in contract for k in a_labels)
@@ -331,7 +401,7 @@ def _conv_x_lora(
     and spatial axes (a convolution with ``rank`` output channels), the other its
     output-feature axis (a 1x1 product)."""
     nb = _batch_ndim(w.w.ndim, w.a.ndim, w.b.ndim)
-    if feature_group_count != 1 or batch_group_count != 1 or nb:
+    if feature_group_count != 1 or batch_group_count != 1 or nb or w.a_axes is not None:
         return NotImplemented
     _, rhs_spec, out_spec = dimension_numbers
     out_axis, p = rhs_spec[0], w.a.ndim - 1
@@ -385,6 +455,7 @@ def _gather_rows(
     n_b = k - p
     if (
         nb
+        or w.a_axes is not None
         or any(d >= p for d in indexed)
         or tuple(slice_sizes[p:]) != tuple(w.shape[p:])
         or tuple(dn.offset_dims[-n_b:]) != tuple(range(out_ndim - n_b, out_ndim))
@@ -422,6 +493,7 @@ def _replace(old: LoraWeight, **fields: Any) -> LoraWeight:
         "b": old.b,
         "alpha": old.alpha,
         "freeze_w": old.freeze_w,
+        "a_axes": old.a_axes,
         **fields,
     }
     return LoraWeight(**fields)
@@ -433,13 +505,16 @@ def _unbatched(w: LoraWeight) -> bool:
 
 @qax.primitive_handler("transpose")
 def _transpose(primitive, w: LoraWeight, *, permutation) -> Any:
-    """A permutation that keeps the axes of ``a`` together and those of ``b`` together
-    is again a `LoraWeight` (``(w + a b)ᵀ = wᵀ + bᵀ aᵀ``)."""
+    """Any permutation is again a `LoraWeight` (``(w + a b)ᵀ = wᵀ + bᵀ aᵀ``). One that
+    keeps the axes of ``a`` together and those of ``b`` together keeps the leading-axes
+    layout; any other moves ``a_axes``."""
     p, k = w.a.ndim - 1, w.ndim
     perm = tuple(permutation)
     if not _unbatched(w):
         return NotImplemented
     new_w = lax.transpose(w.w, perm)
+    if w.a_axes is not None:
+        return _permuted(w, new_w, perm)
     if sorted(perm[:p]) == list(range(p)):
         new_a = lax.transpose(w.a, (*perm[:p], p))
         new_b = lax.transpose(w.b, (0, *(i - p + 1 for i in perm[p:])))
@@ -448,8 +523,19 @@ def _transpose(primitive, w: LoraWeight, *, permutation) -> Any:
         new_a = lax.transpose(w.b, (*(i - p + 1 for i in perm[: k - p]), 0))
         new_b = lax.transpose(w.a, (p, *perm[k - p :]))
     else:
-        return NotImplemented
+        return _permuted(w, new_w, perm)
     return _replace(w, w=new_w, a=new_a, b=new_b)
+
+
+def _permuted(w: LoraWeight, new_w: Any, perm: tuple[int, ...]) -> LoraWeight:
+    """``w`` transposed by ``perm`` without moving ``a``: its axes get new positions
+    (``a_axes``); ``b``'s axes are put in the new order of the weight's."""
+    where = {old: new for new, old in enumerate(perm)}
+    a_axes, b_axes = w.axes()
+    moved = [where[i] for i in b_axes]
+    order = sorted(range(len(moved)), key=moved.__getitem__)
+    new_b = lax.transpose(w.b, (0, *(1 + j for j in order)))
+    return _replace(w, w=new_w, b=new_b, a_axes=tuple(where[i] for i in a_axes))
 
 
 def _split_point(old: Sequence[int], new: Sequence[int], p: int) -> int | None:
@@ -469,7 +555,7 @@ def _reshape(primitive, w: LoraWeight, **params) -> Any:
     """A reshape that keeps the boundary between the axes of ``a`` and ``b``
     (splitting or merging axes on either side) is again a `LoraWeight`; a weight that
     is a single row or column becomes that dense row."""
-    if not _unbatched(w):
+    if not _unbatched(w) or w.a_axes is not None:
         return NotImplemented
     if primitive is lax.reshape_p and params.get("dimensions") is not None:
         return NotImplemented  # a reshape that also transposes
@@ -497,14 +583,23 @@ def _slice(primitive, w: LoraWeight, *, start_indices, limit_indices, strides) -
     """Slicing ``w`` slices ``a`` on its axes and ``b`` on its axes."""
     if not _unbatched(w):
         return NotImplemented
-    p = w.a.ndim - 1
+    (ia, ib), r = w.axes(), w.rank
     strides = strides or (1,) * w.ndim
     starts, limits = tuple(start_indices), tuple(limit_indices)
+
+    def on(axes, first, x, fill):
+        out = [x[i] for i in axes]
+        return (*out, fill) if first else (fill, *out)
+
     return _replace(
         w,
         w=lax.slice(w.w, starts, limits, strides),
-        a=lax.slice(w.a, (*starts[:p], 0), (*limits[:p], w.rank), (*strides[:p], 1)),
-        b=lax.slice(w.b, (0, *starts[p:]), (w.rank, *limits[p:]), (1, *strides[p:])),
+        a=lax.slice(
+            w.a, on(ia, 1, starts, 0), on(ia, 1, limits, r), on(ia, 1, strides, 1)
+        ),
+        b=lax.slice(
+            w.b, on(ib, 0, starts, 0), on(ib, 0, limits, r), on(ib, 0, strides, 1)
+        ),
     )
 
 
@@ -514,14 +609,18 @@ def _dynamic_slice(primitive, w: LoraWeight, *starts: jax.Array, slice_sizes) ->
     axes."""
     if not _unbatched(w):
         return NotImplemented
-    p, zero = w.a.ndim - 1, jnp.zeros((), jnp.int32)
+    (ia, ib), zero = w.axes(), jnp.zeros((), jnp.int32)
     sizes = tuple(slice_sizes)
     starts = [s.astype(jnp.int32) for s in starts]
     return _replace(
         w,
         w=lax.dynamic_slice(w.w, starts, sizes),
-        a=lax.dynamic_slice(w.a, [*starts[:p], zero], (*sizes[:p], w.rank)),
-        b=lax.dynamic_slice(w.b, [zero, *starts[p:]], (w.rank, *sizes[p:])),
+        a=lax.dynamic_slice(
+            w.a, [*(starts[i] for i in ia), zero], (*(sizes[i] for i in ia), w.rank)
+        ),
+        b=lax.dynamic_slice(
+            w.b, [zero, *(starts[i] for i in ib)], (w.rank, *(sizes[i] for i in ib))
+        ),
     )
 
 
@@ -530,12 +629,12 @@ def _split_weight(primitive, w: LoraWeight, *, sizes, axis) -> Any:
     """``jnp.split`` of a fused weight (QKV): one `LoraWeight` per piece."""
     if not _unbatched(w):
         return NotImplemented
-    p = w.a.ndim - 1
+    ia, ib = w.axes()
     pieces = lax.split(w.w, sizes, axis)
-    if axis < p:
-        parts = [(a, w.b) for a in lax.split(w.a, sizes, axis)]
+    if axis in ia:
+        parts = [(a, w.b) for a in lax.split(w.a, sizes, ia.index(axis))]
     else:
-        parts = [(w.a, b) for b in lax.split(w.b, sizes, axis - p + 1)]
+        parts = [(w.a, b) for b in lax.split(w.b, sizes, 1 + ib.index(axis))]
     return [_replace(w, w=piece, a=a, b=b) for piece, (a, b) in zip(pieces, parts)]
 
 
