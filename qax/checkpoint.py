@@ -19,6 +19,7 @@ Examples:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -117,6 +118,9 @@ def _build(raw: Any, desc: dict, where: list) -> Any:
         children.append(value if sub is None else _build(value, sub, [*where, name]))
     aux = _integrations.decode_aux(desc["aux"])
     names = fields_of(cls).aux
+    added = _added_since(cls, names[len(aux[0]) :])
+    if added is not None:
+        aux = (tuple(aux[0]) + added, *aux[1:])
     if len(aux[0]) != len(names):
         raise ValueError(
             _errors.OTHER_CHECKPOINT_AUX.format(
@@ -128,6 +132,27 @@ def _build(raw: Any, desc: dict, where: list) -> Any:
             )
         )
     return _pytree_functions(cls)[2](aux, children)
+
+
+def _added_since(cls: type, missing: tuple[str, ...]) -> tuple | None:
+    """The defaults of aux fields that a class gained, at the end, after a checkpoint
+    was described (constructor arguments with a default), or None if `missing` holds
+    another kind of field."""
+    if not missing:
+        return None
+    by_name = {f.name: f for f in dataclasses.fields(cls)}
+    out = []
+    for name in missing:
+        f = by_name[name]
+        if not f.init:
+            return None
+        if f.default is not dataclasses.MISSING:
+            out.append(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            out.append(f.default_factory())
+        else:
+            return None
+    return tuple(out)
 
 
 def rebuild(raw: Any, description: dict) -> Any:
@@ -142,7 +167,8 @@ def rebuild(raw: Any, description: dict) -> Any:
 
     Raises:
       ValueError: `description` is not one from `describe`, `raw` lacks a field, or
-        a saved class had other aux fields than it has now.
+        a saved class had other aux fields than it has now (aux fields added at the
+        end of a class since, with defaults, take their defaults).
       TypeError: the class of a saved implicit array is not defined in this process.
     """
     if not isinstance(description, dict) or "implicit" not in description:

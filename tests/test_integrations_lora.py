@@ -297,8 +297,18 @@ def test_orbax_template_less_stacked_lora_scans_implicitly(tmp_path):
     aux = json.loads(old["implicit"][0]["aux"])
     aux["tuple"][0]["tuple"] = aux["tuple"][0]["tuple"][:2]  # alpha, freeze_w only
     old["implicit"][0]["aux"] = json.dumps(aux)
-    with pytest.raises(ValueError, match="LoraWeight now has 5 aux field"):
+    with pytest.raises(ValueError, match="LoraWeight now has 6 aux field"):
         qax.checkpoint.rebuild(ckpt.restore(tmp_path / "s"), old)
+    # A description saved before LoraWeight had `a_axes` (its last aux field) rebuilds
+    # with the default layout.
+    old = json.loads(json.dumps(qax.checkpoint.describe(params)))
+    aux = json.loads(old["implicit"][0]["aux"])
+    assert len(aux["tuple"][0]["tuple"]) == 6
+    aux["tuple"][0]["tuple"] = aux["tuple"][0]["tuple"][:5]
+    old["implicit"][0]["aux"] = json.dumps(aux)
+    again = qax.checkpoint.rebuild(ckpt.restore(tmp_path / "s"), old)
+    _same(again, params)
+    assert again["lora"].a_axes is None
 
     def model(params, x):
         def body(h, p):

@@ -943,3 +943,51 @@ def test_stacked_adapters_along_any_axes_scan_and_train():
     )(stack.a, stack.b)
     for g, e in zip(got, want, strict=True):
         np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-4)
+
+
+# Products with a stack of weights (layers stacked for scan, an ensemble): the stack axis
+# is a batch axis of the product (vmap over both), a free one (vmap over the weights
+# only) or contracted (a sum over the layers); each stays two thin products.
+STACK_PRODUCTS = [
+    ("vmap-both", (3, 4, 8), lambda x, w: jax.vmap(lambda x, w: x @ w)(x, w)),
+    ("vmap-weights", (4, 8), lambda x, w: jax.vmap(lambda w: x @ w)(w)),
+    ("sum-over-layers", (3, 4, 8), lambda x, w: jnp.einsum("ltd,ldo->to", x, w)),
+    ("w-on-the-left", (4, 5), lambda x, w: jnp.einsum("ldo,to->ltd", w, x)),
+]
+
+
+@pytest.mark.parametrize(
+    "name, x_shape, fn", STACK_PRODUCTS, ids=[c[0] for c in STACK_PRODUCTS]
+)
+def test_products_with_a_stack_of_weights_stay_implicit(name, x_shape, fn):
+    stack = make_axes_weight((8, 5), (0,), batch=(3,))
+    assert stack.a_axes is None and stack.a.shape == (3, 8, 3)
+    x = normal(x_shape)
+    with qax.materialization_policy(LoraWeight, "error"):
+        got = jax.jit(qax.use_implicit_args(fn))(x, stack)
+        grads = jax.grad(
+            lambda a, b: jnp.sum(
+                qax.use_implicit_args(fn)(x, LoraWeight(stack.w, a, b)) ** 2
+            ),
+            (0, 1),
+        )(stack.a, stack.b)
+    np.testing.assert_allclose(got, fn(x, stack.materialize()), rtol=1e-4, atol=1e-4)
+    want = jax.grad(
+        lambda a, b: jnp.sum(fn(x, LoraWeight(stack.w, a, b).materialize()) ** 2),
+        (0, 1),
+    )(stack.a, stack.b)
+    for g, e in zip(grads, want, strict=True):
+        np.testing.assert_allclose(g, e, rtol=1e-3, atol=1e-3)
+    assert_no_dense_weight(fn, x, stack, shape=stack.shape)
+
+
+def test_vmap_over_a_stack_of_peft_style_weights():
+    stack = make_axes_weight((2, 8, 4), (1,), batch=(3,))
+    x = normal((3, 5, 8))
+
+    def fn(x, w):
+        return jax.vmap(lambda x, w: jnp.einsum("td,ndh->tnh", x, w))(x, w)
+
+    with qax.materialization_policy(LoraWeight, "error"):
+        got = qax.use_implicit_args(fn)(x, stack)
+    np.testing.assert_allclose(got, fn(x, stack.materialize()), rtol=1e-4, atol=1e-4)

@@ -112,13 +112,14 @@ class LoraWeight(qax.ImplicitArray):
     b: qax.ArrayValue = qax.array_field(ndim="b_ndim")
     alpha: float | None = qax.aux_field(default=None)
     freeze_w: bool = qax.aux_field(default=True)
-    a_axes: tuple[int, ...] | None = qax.aux_field(default=None)
     # The ranks of one (unbatched) w, a and b, set from the shapes of the fields:
     # leading axes shared by all three beyond them are batch axes (a stack of LoRA
     # weights, sliced by `lax.scan` and `vmap`).
     w_ndim: int | None = qax.aux_field(default=None, init=False)
     a_ndim: int | None = qax.aux_field(default=None, init=False)
     b_ndim: int | None = qax.aux_field(default=None, init=False)
+    # Last, so that checkpoint descriptions saved before it existed still rebuild.
+    a_axes: tuple[int, ...] | None = qax.aux_field(default=None)
 
     # What `vmap`/`lax.scan` warnings tell a user whose LoraWeight lacks a batch axis.
     batch_axes_advice = _STACK_ADVICE
@@ -322,10 +323,12 @@ def _lora_product(x, lora, dimension_numbers, lora_is_rhs, params):
     for xi, li in zip(xb, lb, strict=True):
         lora_labels[li] = xi
     contract, batch = set(xc), [x_labels[i] for i in xb]
+    nb = _batch_ndim(lora.w.ndim, lora.a.ndim, lora.b.ndim)
+    stack, core = lora_labels[:nb], lora_labels[nb:]
     a_axes, b_axes = lora.axes()
     a, b = _factors(lora)
-    a_labels = [*(lora_labels[i] for i in a_axes), _RANK]
-    b_labels = [_RANK, *(lora_labels[i] for i in b_axes)]
+    a_labels = [*stack, *(core[i] for i in a_axes), _RANK]
+    b_labels = [*stack, _RANK, *(core[i] for i in b_axes)]
     # Contract x first with the factor that shares more contracted axes with it, so that
     # the intermediate result has the small rank axis.
     in_a = sum(k in contract for k in a_labels)
@@ -334,13 +337,17 @@ def _lora_product(x, lora, dimension_numbers, lora_is_rhs, params):
     if in_b > in_a:
         (f1, l1), (f2, l2) = (f2, l2), (f1, l1)
     inner = {k: v for k, v in params.items() if k != "out_sharding"}
+    # The stack axes of a stacked weight are in both factors: a stack axis that `x`
+    # contracts stays a batch axis of the first product and is contracted (with the
+    # rank) in the second; a free one is free in the first and a batch axis of the
+    # second.
     t, t_labels = _labelled_dot(
         x,
         x_labels,
         f1,
         l1,
-        [k for k in x_labels if k in contract and k in l1],
-        [k for k in batch if k in l1],
+        [k for k in x_labels if k in contract and k in l1 and k not in stack],
+        [*(k for k in batch if k in l1), *(k for k in stack if k in contract)],
         **inner,
     )
     if lora.scale != 1:
@@ -351,7 +358,10 @@ def _lora_product(x, lora, dimension_numbers, lora_is_rhs, params):
         f2,
         l2,
         [_RANK, *(k for k in t_labels if k in contract and k in l2)],
-        [k for k in batch if k in l2 and k in t_labels],
+        [
+            *(k for k in batch if k in l2 and k in t_labels),
+            *(k for k in stack if k not in contract and k not in batch),
+        ],
         **inner,
     )
     x_free = [k for k in x_labels if k not in contract and k not in batch]
@@ -364,8 +374,6 @@ def _lora_product(x, lora, dimension_numbers, lora_is_rhs, params):
 
 
 def _dot(primitive, x, lora, dimension_numbers, lora_is_rhs, params):
-    if not _unbatched(lora):
-        return NotImplemented  # a stack outside vmap/scan: materialized per element
     operands = (x, lora.base()) if lora_is_rhs else (lora.base(), x)
     main = primitive.bind(*operands, dimension_numbers=dimension_numbers, **params)
     delta = _lora_product(x, lora, dimension_numbers, lora_is_rhs, params)
