@@ -1,40 +1,63 @@
-"""Quantized weights that stay quantized: `Int8Weight`, `Int4Weight`, `NF4Weight`.
+"""Quantized weights that stay quantized: integer, NormalFloat and FP8 codes.
 
-Each type stores integer codes plus floating-point scales and behaves like the dense
-weight they decode to. The handlers decode *inside* the operation that uses the weight,
-so the full-precision weight never exists as a parameter or an input of the program:
+Each type stores codes plus floating-point scales and behaves like the dense weight they
+decode to. The handlers decode *inside* the operation that uses the weight, so the
+full-precision weight never exists as a parameter or an input of the program:
 
 - ``dot_general`` (any layout, either side) and ``conv_general_dilated``: decode, then
-  the product (XLA fuses the decoding into it);
+  the product (XLA fuses the decoding into it). For per-channel `Int8Weight` and
+  `FP8Weight` whose scales run only along output (non-contracted) axes of the product,
+  the product takes the int8 / fp8 codes themselves as its operand and the scales
+  multiply its output (a *narrow product*: JAX's TPU lowering feeds the codes to the
+  dot as they are; on CPU and GPU, JAX's lowering converts them to the product's
+  dtype right before the dot, and nothing of the weight's size is multiplied);
 - ``gather`` of rows (embedding lookups): only the gathered rows are decoded;
 - ``convert_element_type`` to a floating dtype: the same codes, decoding to that dtype
   (``w.astype(jnp.bfloat16)`` keeps 4-bit storage); ``mul`` by a scalar rescales the
-  scales; ``transpose`` of an `Int8Weight` transposes its codes; ``stop_gradient``;
+  scales; ``transpose`` of a per-channel weight transposes its codes; ``stop_gradient``;
 - ``add`` / ``sub`` (merging a LoRA into a quantized base): decoded inside the handler.
 
-The formats:
+The formats (the names `quantize` takes):
 
-- `Int8Weight`: symmetric int8 with one scale per output channel (``axis``, by default the
-  last axis: the output axis of a Flax ``(in, out)`` kernel; or a tuple of axes, e.g.
-  heads and outputs of an einsum kernel). 1 byte per number.
-- `Int4Weight`: symmetric 4-bit integers in ``[-8, 7]`` with one scale per group of
-  ``group_size`` consecutive numbers along the last axis; two numbers per byte.
-- `NF4Weight`: QLoRA's 4-bit NormalFloat: 16 levels at quantiles of a standard normal
-  (one of them exactly zero), one absmax scale per block of ``block_size`` numbers along
-  the last axis; two numbers per byte. For normally distributed weights its error is
-  lower than `Int4Weight`'s at the same size (see ``benchmarks/bench_quant.py``).
+- ``"int8"``, `Int8Weight`: symmetric int8 with one scale per output channel (``axis``,
+  by default the last axis: the output axis of a Flax ``(in, out)`` kernel; or a tuple
+  of axes, e.g. heads and outputs of an einsum kernel). 1 byte per number.
+- ``"int4"``, `Int4Weight`: symmetric 4-bit integers in ``[-8, 7]`` with one scale per
+  group of ``group_size`` consecutive numbers along the last axis; two numbers per byte.
+- ``"nf4"``, `NF4Weight`: QLoRA's 4-bit NormalFloat: 16 levels at quantiles of a
+  standard normal (one of them exactly zero), one absmax scale per block of
+  ``block_size`` numbers along the last axis; two numbers per byte. For normally
+  distributed weights its error is lower than `Int4Weight`'s at the same size (see
+  ``benchmarks/bench_quant.py``).
+- ``"fp8_e4m3"`` / ``"fp8_e5m2"``, `FP8Weight`: ``float8_e4m3fn`` / ``float8_e5m2``
+  codes, each scale mapping its absmax to the format's largest finite value (448 /
+  57344); one scale per output channel (``axis``, as for int8) or, with
+  ``block_size=``, one per block along the last axis. 1 byte per number.
+- ``"int2"``, ``"int3"``, ``"int5"``, ``"int6"``, ``"int7"``, `IntKWeight`:
+  ``bits``-bit two's-complement integers in ``[-2**(bits-1), 2**(bits-1) - 1]`` (all
+  ``2**bits`` levels used: ``int2`` is ``{-2, -1, 0, 1}``), one scale per group along
+  the last axis, packed so that a weight of ``n``
+  numbers takes exactly ``n * bits / 8`` bytes. Any ``bits`` from 2 to 8 through the
+  class: ``quantize(params, qax.quant.IntKWeight, bits=8, group_size=64)`` is group-wise
+  int8 (``"int4"`` and ``"int8"`` keep their own types above; ``IntKWeight`` with
+  ``bits=4`` stores the very bytes `Int4Weight` does).
 
-Gradients flow into the scales as they would into the decoded weight (the codes are
-integers and get none). A quantized base is meant to stay fixed: differentiate with
-respect to the LoRA factors only (`qax.lora.split`), or wrap it in
+Gradients flow into the scales as they would into the decoded weight; the codes get
+none (integers; FP8 codes are decoded under `jax.lax.stop_gradient`), and every type
+declares its codes frozen (`qax.ImplicitArray.frozen_fields`), so
+`qax.utils.apply_updates` never moves them. A quantized base is meant to stay fixed:
+differentiate with respect to the LoRA factors only (`qax.lora.split`), or wrap it in
 `jax.lax.stop_gradient` (which `qax.lora.LoraWeight` does for its ``w``; the handler
-keeps the weight quantized), and no weight-sized gradient is computed for it.
-Train on top of them with `qax.lora` (QLoRA):
+keeps the weight quantized), and no weight-sized gradient is computed for it. Train on
+top of them with `qax.lora` (QLoRA), whatever the format:
 
 Examples:
-    >>> base = qax.quant.quantize(params, "nf4")
+    >>> base = qax.quant.quantize(params, "nf4")        # or "fp8_e4m3", "int3", ...
     >>> params = qax.lora.loraify(base, rank=8, key=jax.random.key(0))
     >>> adapters, base = qax.lora.split(params)   # train `adapters` as in qax.lora
+
+`quantize_dequantize` gives the array a format decodes to (quantize, then decode), for
+quantization-aware training and error studies.
 
 This module uses qax's public API only.
 """
@@ -42,6 +65,8 @@ This module uses qax's public API only.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import warnings
 from collections.abc import Callable
 from statistics import NormalDist
@@ -56,12 +81,16 @@ import qax
 from qax.lora import default_filter
 
 __all__ = [
+    "FORMATS",
     "NF4_LEVELS",
+    "FP8Weight",
     "Int4Weight",
     "Int8Weight",
+    "IntKWeight",
     "NF4Weight",
     "QuantizedWeight",
     "dequantize",
+    "quantize_dequantize",
     "quantize",
 ]
 
@@ -87,8 +116,17 @@ NF4_LEVELS: np.ndarray = _nf4_levels()
 
 _LAST_AXIS = (
     "{cls}: the last axis of a weight of shape {shape} must be a multiple of "
-    "{what}={size} (and even, two 4-bit numbers share a byte). Pass a {what} that "
-    "divides {last}, or leave this weight out with `filter=`."
+    "{what}={size}{unit}. Pass a {what} that divides {last}{hint}, or leave this weight "
+    "out with `filter=`."
+)
+_BAD_BITS = (
+    "IntKWeight: bits={bits!r}; bits must be an integer from 2 to 8 (the number of bits "
+    "per stored code). Named formats: {names}."
+)
+_BAD_FP8 = (
+    "FP8Weight: fp8_dtype={dtype!r} is not an FP8 format; use jnp.float8_e4m3fn "
+    '(format "fp8_e4m3": more precision, max 448) or jnp.float8_e5m2 ("fp8_e5m2": more '
+    "range, max 57344)."
 )
 
 
@@ -105,6 +143,80 @@ def _unpack(packed: jax.Array) -> jax.Array:
 
 def _blocks(x: jax.Array, size: int) -> jax.Array:
     return x.reshape(*x.shape[:-1], x.shape[-1] // size, size)
+
+
+def _chunk(bits: int) -> tuple[int, int]:
+    """The shortest byte-aligned run of ``bits``-bit codes: (codes, bytes)."""
+    common = math.gcd(8, bits)
+    return 8 // common, bits // common
+
+
+def _pack_bits(codes: jax.Array, bits: int) -> jax.Array:
+    """Codes in ``[0, 2**bits)`` as a little-endian bit stream along the last axis.
+
+    Code ``i`` of a row takes bits ``i*bits`` to ``i*bits + bits - 1`` of the row's
+    bytes, bit 0 being the least significant bit of byte 0 (for 4 bits: the even code in
+    the low nibble, as `Int4Weight` packs). The last axis must hold whole bytes.
+    """
+    n_codes, n_bytes = _chunk(bits)
+    values = codes.astype(jnp.int32).reshape(*codes.shape[:-1], -1, n_codes)
+    out = []
+    for b in range(n_bytes):
+        byte = jnp.zeros(values.shape[:-1], jnp.int32)
+        for i in range(n_codes):
+            shift = i * bits - 8 * b  # where code i's bit 0 falls, from byte b's bit 0
+            if -bits < shift < 8:
+                part = values[..., i]
+                byte = byte | (part << shift if shift >= 0 else part >> -shift)
+        out.append(byte & 0xFF)
+    packed = jnp.stack(out, axis=-1).astype(jnp.uint8)
+    return packed.reshape(*codes.shape[:-1], -1)
+
+
+def _unpack_bits(packed: jax.Array, bits: int) -> jax.Array:
+    """The codes (``int32``) of a bit stream written by `_pack_bits`."""
+    n_codes, n_bytes = _chunk(bits)
+    data = packed.astype(jnp.int32).reshape(*packed.shape[:-1], -1, n_bytes)
+    start = np.arange(n_codes) * bits  # code i's first bit in its run
+    first, shift = start // 8, start % 8
+    # Code i lies in byte `first[i]` and, if it runs on, the next one; where it does
+    # not, the next byte's bits land above the mask.
+    word = data[..., first] | (data[..., np.minimum(first + 1, n_bytes - 1)] << 8)
+    codes = (word >> shift) & ((1 << bits) - 1)
+    return codes.reshape(*packed.shape[:-1], -1)
+
+
+def _channel_axes(cls: type, w: jax.Array, axis: Any) -> set[int]:
+    """The channel axes of ``w`` (``axis``: an int or a tuple of ints), checked."""
+    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    if not all(
+        isinstance(a, (int, np.integer)) and -w.ndim <= a < w.ndim for a in axes
+    ):
+        raise ValueError(
+            f"{cls.__name__}.from_array: axis={axis!r} for a weight of shape "
+            f"{tuple(w.shape)}: each channel axis must be an integer in "
+            f"[-{w.ndim}, {w.ndim})."
+        )
+    return {a % w.ndim for a in axes}
+
+
+def _channel_absmax(cls: type, w: jax.Array, axis: Any, batch_ndim: int) -> jax.Array:
+    """The absmax of ``w`` over all but its batch and channel axes (kept, size 1)."""
+    kept = _channel_axes(cls, w, axis)
+    others = tuple(i for i in range(batch_ndim, w.ndim) if i not in kept)
+    return jnp.max(jnp.abs(w), axis=others, keepdims=True)
+
+
+def _channel_field_dims(w: QuantizedWeight) -> dict[str, tuple[int | None, ...]]:
+    """`field_dims` of a per-channel weight: codes along every dimension, scales only
+    along the channel axes."""
+    rank = w.weight_ndim
+    nb = len(w.shape) - rank
+    channel = tuple(d != 1 for d in jnp.shape(w.scale)[nb:])
+    return {
+        "q": tuple(range(rank)),
+        "scale": tuple(i if keep else None for i, keep in enumerate(channel)),
+    }
 
 
 class QuantizedWeight(qax.ImplicitArray):
@@ -159,6 +271,10 @@ class QuantizedWeight(qax.ImplicitArray):
 
     def _decode(self, **arrays: Any) -> jax.Array:
         raise NotImplementedError
+
+    def frozen_fields(self) -> tuple[str, ...]:
+        """The codes (the first array field): optimizers leave them as they are."""
+        return self._ARRAYS[:1]
 
     def materialize(self) -> jax.Array:
         return self.dequantize()
@@ -233,18 +349,7 @@ class Int8Weight(QuantizedWeight):
           ValueError: an axis is out of range for ``w``.
         """
         w = jnp.asarray(w)
-        axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
-        if not all(
-            isinstance(a, (int, np.integer)) and -w.ndim <= a < w.ndim for a in axes
-        ):
-            raise ValueError(
-                f"Int8Weight.from_array: axis={axis!r} for a weight of shape "
-                f"{tuple(w.shape)}: each channel axis must be an integer in "
-                f"[-{w.ndim}, {w.ndim})."
-            )
-        kept = {a % w.ndim for a in axes}
-        others = tuple(i for i in range(batch_ndim, w.ndim) if i not in kept)
-        absmax = jnp.max(jnp.abs(w), axis=others, keepdims=True)
+        absmax = _channel_absmax(cls, w, axis, batch_ndim)
         scale = jnp.where(absmax > 0, absmax / 127, 1).astype(w.dtype)
         q = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
         return cls(q, scale, weight_ndim=w.ndim - batch_ndim)
@@ -255,13 +360,7 @@ class Int8Weight(QuantizedWeight):
     def field_dims(self) -> dict[str, tuple[int | None, ...]]:
         """The codes run along every dimension of the weight; the scales only along
         the channel axes (their other dimensions have size 1)."""
-        rank = self.weight_ndim
-        nb = len(self.shape) - rank
-        channel = tuple(d != 1 for d in jnp.shape(self.scale)[nb:])
-        return {
-            "q": tuple(range(rank)),
-            "scale": tuple(i if keep else None for i, keep in enumerate(channel)),
-        }
+        return _channel_field_dims(self)
 
 
 class _PackedFourBits(QuantizedWeight):
@@ -297,7 +396,9 @@ class Int4Weight(_PackedFourBits):
     def from_array(
         cls, w: jax.Array, group_size: int = 64, batch_ndim: int = 0
     ) -> Int4Weight:
-        """Quantize ``w`` group-wise along its last axis (absmax / 7 per group).
+        """Quantize ``w`` group-wise along its last axis: codes in ``[-8, 7]``, one
+        scale per group, set so that the group's largest number is 7 steps or its
+        most negative -8 steps.
 
         ``batch_ndim`` leading axes stack independent weights (scanned layers).
 
@@ -353,12 +454,258 @@ class NF4Weight(_PackedFourBits):
         return blocks.reshape(levels.shape)
 
 
-def _check_last_axis(cls: type, shape: tuple, what: str, size: int) -> None:
+class FP8Weight(QuantizedWeight):
+    """FP8 codes (``float8_e4m3fn`` or ``float8_e5m2``) with absmax scales: ``w ≈ q *
+    scale``, each scale mapping its absmax to the format's largest finite value.
+
+    Two layouts, chosen by ``block_size``:
+
+    - per channel (``block_size=None``, the default): ``scale`` as for `Int8Weight`,
+      with the weight's rank and size 1 on every axis but the channel axes (``axis``);
+      products whose contraction leaves the channel axes alone run on the fp8 codes
+      (see the module's notes on narrow products);
+    - block-wise (``block_size=b``): one scale per ``b`` consecutive numbers along the
+      last axis, ``scale`` of shape ``(*lead, n // b)``.
+
+    ``float8_e4m3fn`` keeps 3 mantissa bits (a relative error of at most 1/16 per
+    number) up to 448; ``float8_e5m2`` keeps 2 (at most 1/8) with a far wider range.
+
+    Examples:
+        >>> q = qax.quant.FP8Weight.from_array(jnp.ones((4, 3)))
+        >>> q.q.dtype, q.scale.shape
+        (dtype(float8_e4m3fn), (1, 3))
+        >>> q = qax.quant.FP8Weight.from_array(
+        ...     jnp.ones((4, 256)), fp8_dtype=jnp.float8_e5m2, block_size=128)
+        >>> q.q.dtype, q.scale.shape
+        (dtype(float8_e5m2), (4, 2))
+
+    Attributes:
+      q: the fp8 codes, of the weight's shape.
+      scale: the scales (the dtype the weight decodes to).
+      block_size: numbers per scale along the last axis, or ``None``: per channel.
+    """
+
+    q: qax.ArrayValue = qax.array_field(ndim="weight_ndim", stored=True)
+    scale: qax.ArrayValue = qax.array_field(ndim="weight_ndim", stored=True)
+    block_size: int | None = qax.aux_field(default=None)
+
+    _ARRAYS = ("q", "scale")
+
+    def compute_shape(self) -> tuple[int, ...]:
+        return tuple(self.q.shape)
+
+    @classmethod
+    def from_array(
+        cls,
+        w: jax.Array,
+        fp8_dtype: Any = jnp.float8_e4m3fn,
+        axis: int | tuple[int, ...] | None = None,
+        block_size: int | None = None,
+        batch_ndim: int = 0,
+    ) -> FP8Weight:
+        """Quantize ``w`` to fp8 codes, per channel or per block.
+
+        Args:
+          w: a floating-point weight.
+          fp8_dtype: ``jnp.float8_e4m3fn`` (the default) or ``jnp.float8_e5m2`` (or
+            their names).
+          axis: per-channel scales (the default layout): the channel axis (default:
+            the last one) or a tuple of axes, as for `Int8Weight`.
+          block_size: block-wise scales instead: numbers per scale along the last
+            axis, which it must divide.
+          batch_ndim: leading axes that stack independent weights (scanned layers);
+            each gets its own scales.
+
+        Returns:
+          The quantized weight.
+
+        Raises:
+          ValueError: ``fp8_dtype`` is not one of the two formats, an axis is out of
+            range, both ``axis`` and ``block_size`` are given, or ``block_size`` does
+            not divide the last axis.
+        """
+        try:
+            dtype = jnp.dtype(fp8_dtype)
+        except TypeError:
+            dtype = None
+        if dtype not in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)):
+            raise ValueError(_BAD_FP8.format(dtype=fp8_dtype))
+        w = jnp.asarray(w)
+        if block_size is None:
+            absmax = _channel_absmax(cls, w, -1 if axis is None else axis, batch_ndim)
+        elif axis is not None:
+            raise ValueError(
+                f"FP8Weight.from_array: axis={axis!r} and block_size={block_size!r}: "
+                "pass axis= for per-channel scales or block_size= for block-wise "
+                "scales along the last axis, not both."
+            )
+        else:
+            _check_last_axis(cls, w.shape, "block_size", block_size)
+            absmax = jnp.max(jnp.abs(_blocks(w, block_size)), axis=-1)
+        largest = float(jnp.finfo(dtype).max)
+        scale = jnp.where(absmax > 0, absmax / largest, 1).astype(w.dtype)
+        wide = scale if block_size is None else jnp.repeat(scale, block_size, axis=-1)
+        ratio = w.astype(jnp.float32) / wide.astype(jnp.float32)
+        q = jnp.clip(ratio, -largest, largest).astype(dtype)
+        return cls(q, scale, block_size, weight_ndim=w.ndim - batch_ndim)
+
+    def _decode(self, q: Any, scale: Any) -> jax.Array:
+        # The codes are floats, but fixed: no gradient reaches them (as for integers).
+        values = lax.stop_gradient(q).astype(self.dtype)
+        if self.block_size is None:
+            return values * scale
+        blocks = _blocks(values, self.block_size) * scale[..., None]
+        return blocks.reshape(values.shape)
+
+    def field_dims(self) -> dict[str, tuple[int | None, ...]]:
+        """Per channel: as `Int8Weight` (scales along the channel axes only);
+        block-wise: codes and scales along every dimension of the weight."""
+        if self.block_size is None:
+            return _channel_field_dims(self)
+        return super().field_dims()
+
+
+class IntKWeight(QuantizedWeight):
+    """``bits``-bit integers (2 to 8), packed ``bits`` bits per number, with one scale
+    per group along the last axis: ``w[..., g*s:(g+1)*s] ≈ (code - 2**(bits-1)) *
+    scale[..., g]``.
+
+    The values are in ``[-2**(bits-1), 2**(bits-1) - 1]``, every level used
+    (``bits=2``: ``{-2, -1, 0, 1}``; see `from_array` for the scales). The codes (value +
+    ``2**(bits-1)``) form a little-endian bit stream along the last axis: code ``i`` of
+    a row takes bits ``i*bits`` to ``i*bits + bits - 1`` of the row's bytes, bit 0 being
+    the least significant bit of byte 0. A row of ``n`` numbers takes ``n * bits / 8``
+    bytes, and each group whole bytes (``group_size * bits`` a multiple of 8: any
+    ``group_size`` divisible by 8 does). With ``bits=4`` the bytes are `Int4Weight`'s.
+
+    Examples:
+        >>> q = qax.quant.IntKWeight.from_array(jnp.ones((4, 64)), bits=3, group_size=32)
+        >>> q.packed.dtype, q.packed.shape, q.scale.shape, q.shape
+        (dtype('uint8'), (4, 24), (4, 2), (4, 64))
+
+    Attributes:
+      packed: ``uint8`` of shape ``(*lead, n * bits // 8)``: the bit stream.
+      scale: ``(*lead, n // group_size)`` floating-point scales.
+      bits: bits per number, 2 to 8.
+      group_size: numbers per scale.
+    """
+
+    packed: qax.ArrayValue = qax.array_field(ndim="weight_ndim", stored=True)
+    scale: qax.ArrayValue = qax.array_field(ndim="weight_ndim", stored=True)
+    bits: int = qax.aux_field()
+    group_size: int = qax.aux_field(default=64)
+
+    _ARRAYS = ("packed", "scale")
+
+    def __post_init__(self) -> None:
+        _check_bits(self.bits)
+        super().__post_init__()
+
+    def compute_shape(self) -> tuple[int, ...]:
+        *lead, n_bytes = self.packed.shape
+        return (*lead, n_bytes * 8 // self.bits)
+
+    @classmethod
+    def from_array(
+        cls, w: jax.Array, bits: int, group_size: int = 64, batch_ndim: int = 0
+    ) -> IntKWeight:
+        """Quantize ``w`` group-wise along its last axis to ``bits``-bit integers in
+        ``[-2**(bits-1), 2**(bits-1) - 1]``, one scale per group (from 4 bits, the
+        group's largest number or its most negative lands exactly on the end of the
+        range; at 2 and 3 bits the scale is ``absmax / (2**(bits-1) - 0.5)``).
+
+        Args:
+          w: a floating-point weight.
+          bits: bits per number, 2 to 8.
+          group_size: numbers per scale; it must divide the last axis, and
+            ``group_size * bits`` must be a multiple of 8.
+          batch_ndim: leading axes that stack independent weights (scanned layers).
+
+        Returns:
+          The quantized weight.
+
+        Raises:
+          ValueError: ``bits`` is not an integer from 2 to 8, or ``group_size`` does
+            not fit the last axis.
+        """
+        _check_bits(bits)
+        w = jnp.asarray(w)
+        unit = _chunk(bits)[0]
+        _check_last_axis(
+            cls,
+            w.shape,
+            "group_size",
+            group_size,
+            unit=unit,
+            why=f"each group of {bits}-bit numbers fills whole bytes",
+        )
+        packed, scale = _encode_intk(w, bits, group_size)
+        return cls(packed, scale, bits, group_size, weight_ndim=w.ndim - batch_ndim)
+
+    def _decode(self, packed: Any, scale: Any) -> jax.Array:
+        values = _unpack_bits(packed, self.bits) - 2 ** (self.bits - 1)
+        groups = _blocks(values.astype(self.dtype), self.group_size)
+        return (groups * scale[..., None]).reshape(values.shape)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _encode_intk(w: jax.Array, bits: int, group_size: int) -> tuple[jax.Array, ...]:
+    """The packed codes and group scales of `IntKWeight.from_array` (one compiled
+    program per shape, rather than a dispatch per bit-packing step)."""
+    q, scale = _signed_codes(_blocks(w, group_size), bits)
+    return _pack_bits((q + 2 ** (bits - 1)).reshape(w.shape), bits), scale
+
+
+def _signed_codes(blocks: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
+    """``bits``-bit two's-complement codes in ``[-2**(bits-1), 2**(bits-1) - 1]`` of
+    each block (the last axis) and the block scales.
+
+    All ``2**bits`` levels are used. From 4 bits on, the scale puts the block's largest
+    or its most negative number exactly on the end of the range that fits it (the other
+    end then has room to spare); at 2 and 3 bits, ``absmax / (2**(bits-1) - 0.5)``
+    (the extreme rounds half a step inwards, a finer step for all the others). On
+    normal weights, each gives a lower RMS error at its widths than the other, and than
+    ``absmax / (2**(bits-1) - 1)`` with the most negative level unused
+    (``benchmarks/bench_quant.py``).
+    """
+    top = 2 ** (bits - 1) - 1
+    if bits >= 4:
+        scale = jnp.maximum(
+            jnp.max(blocks, axis=-1) / top, -jnp.min(blocks, axis=-1) / (top + 1)
+        )
+    else:
+        scale = jnp.max(jnp.abs(blocks), axis=-1) / (top + 0.5)
+    scale = jnp.where(scale > 0, scale, 1).astype(blocks.dtype)
+    q = jnp.clip(jnp.round(blocks / scale[..., None]), -top - 1, top)
+    return q.astype(jnp.int32), scale
+
+
+def _check_bits(bits: Any) -> None:
+    ok = isinstance(bits, (int, np.integer)) and not isinstance(bits, bool)
+    if not (ok and 2 <= bits <= 8):
+        raise ValueError(_BAD_BITS.format(bits=bits, names=", ".join(FORMATS)))
+
+
+def _check_last_axis(
+    cls: type,
+    shape: tuple,
+    what: str,
+    size: Any,
+    unit: int = 1,
+    why: str = "",
+) -> None:
     last = shape[-1] if shape else 0
-    if not shape or size < 2 or size % 2 or last % size:
+    ok = isinstance(size, (int, np.integer)) and not isinstance(size, bool)
+    if not shape or not ok or size <= 0 or size % unit or last % size:
         raise ValueError(
             _LAST_AXIS.format(
-                cls=cls.__name__, shape=tuple(shape), what=what, size=size, last=last
+                cls=cls.__name__,
+                shape=tuple(shape),
+                what=what,
+                size=size,
+                last=last,
+                unit=f" (and {what} a multiple of {unit}: {why})" if unit > 1 else "",
+                hint=f" and is a multiple of {unit}" if unit > 1 else "",
             )
         )
 
@@ -374,7 +721,9 @@ def _quantize_blocks(
     """The 4-bit formats' `from_array`: blocks of `size` along the last axis, each
     coded by ``encode(blocks, absmax) -> (codes 0..15, scales)``, codes packed."""
     w = jnp.asarray(w)
-    _check_last_axis(cls, w.shape, what, size)
+    _check_last_axis(
+        cls, w.shape, what, size, unit=2, why="two 4-bit numbers share a byte"
+    )
     blocks = _blocks(w, size)
     codes, scale = encode(blocks, jnp.max(jnp.abs(blocks), axis=-1))
     packed = _pack(codes.reshape(w.shape))
@@ -382,9 +731,8 @@ def _quantize_blocks(
 
 
 def _int4(blocks: jax.Array, absmax: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Symmetric 4-bit codes (value + 8) and the group scales ``absmax / 7``."""
-    scale = jnp.where(absmax > 0, absmax / 7, 1).astype(blocks.dtype)
-    q = jnp.clip(jnp.round(blocks / scale[..., None]), -8, 7).astype(jnp.int32)
+    """4-bit codes (value + 8) and the group scales, as `IntKWeight` with 4 bits."""
+    q, scale = _signed_codes(blocks, 4)
     return q + 8, scale
 
 
@@ -403,12 +751,64 @@ def _nf4(blocks: jax.Array, absmax: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 @qax.primitive_handler(["dot_general", "conv_general_dilated"])
 def _product_x_w(primitive, x: jax.Array, w: QuantizedWeight, **params) -> jax.Array:
+    if primitive is lax.dot_general_p:
+        out = _narrow_product(primitive, x, w, params, weight_side=1)
+        if out is not None:
+            return out
     return primitive.bind(x, w.dequantize(), **params)
 
 
 @qax.primitive_handler("dot_general")
 def _product_w_x(primitive, w: QuantizedWeight, x: jax.Array, **params) -> jax.Array:
+    out = _narrow_product(primitive, w, x, params, weight_side=0)
+    if out is not None:
+        return out
     return primitive.bind(w.dequantize(), x, **params)
+
+
+def _per_channel(w: QuantizedWeight) -> bool:
+    """Codes of the weight's shape whose scales broadcast against them."""
+    if isinstance(w, FP8Weight):
+        if w.block_size is not None:
+            return False
+    elif not isinstance(w, Int8Weight):
+        return False
+    return jnp.ndim(w.q) == jnp.ndim(w.scale) == w.ndim
+
+
+def _narrow_product(
+    primitive, lhs: Any, rhs: Any, params: dict, weight_side: int
+) -> jax.Array | None:
+    """``dot_general`` on the codes of a per-channel weight, the scales applied to its
+    output; ``None`` where that does not apply (scales along a contracted axis, codes
+    of a block format, a non-floating product).
+
+    The product keeps the dtype of the dense one (``preferred_element_type``: its
+    result dtype), so a bf16 model multiplies bf16 by int8 / fp8.
+    """
+    w, x = (lhs, rhs) if weight_side == 0 else (rhs, lhs)
+    if not (_per_channel(w) and jnp.issubdtype(x.dtype, jnp.floating)):
+        return None
+    contracting, batch = (tuple(d[weight_side]) for d in params["dimension_numbers"])
+    if any(w.scale.shape[a] != 1 for a in contracting):
+        return None
+    dense = jax.eval_shape(
+        lambda a, b: primitive.bind(a, b, **params),
+        *(jax.ShapeDtypeStruct(jnp.shape(a), a.dtype) for a in (lhs, rhs)),
+    )
+    if not jnp.issubdtype(dense.dtype, jnp.floating):
+        return None
+    codes = lax.stop_gradient(w.q)  # fixed, as in `dequantize`
+    operands = (codes, x) if weight_side == 0 else (x, codes)
+    out = primitive.bind(*operands, **{**params, "preferred_element_type": dense.dtype})
+    # The output's axes: the batch axes, the lhs's free axes, then the rhs's.
+    free = [a for a in range(w.ndim) if a not in contracting and a not in batch]
+    scale = lax.transpose(w.scale, (*batch, *free, *contracting))
+    scale = scale.reshape(scale.shape[: len(batch) + len(free)])
+    x_free = x.ndim - len(batch) - len(contracting)
+    start = len(batch) + (0 if weight_side == 0 else x_free)
+    dims = (*range(len(batch)), *range(start, start + len(free)))
+    return out * lax.broadcast_in_dim(scale.astype(out.dtype), out.shape, dims)
 
 
 @qax.primitive_handler(["add", "sub"])
@@ -498,29 +898,69 @@ def _decode_then(primitive, w: QuantizedWeight, **params) -> jax.Array:
 
 
 @qax.primitive_handler("transpose")
-def _transpose_int8(primitive, w: Int8Weight, *, permutation) -> Int8Weight:
+def _transpose_int8(primitive, w: Int8Weight, *, permutation) -> Any:
     """Per-channel int8 transposes exactly: codes and (broadcastable) scales."""
-    if w.q.ndim != w.ndim:
+    return _transpose_per_channel(primitive, w, permutation)
+
+
+@qax.primitive_handler("transpose")
+def _transpose_fp8(primitive, w: FP8Weight, *, permutation) -> Any:
+    """Per-channel fp8 likewise; block-wise fp8 decodes first."""
+    return _transpose_per_channel(primitive, w, permutation)
+
+
+def _transpose_per_channel(primitive, w: QuantizedWeight, permutation) -> Any:
+    if not _per_channel(w):
         return primitive.bind(w.dequantize(), permutation=permutation)
-    return Int8Weight(
-        lax.transpose(w.q, permutation), lax.transpose(w.scale, permutation)
+    return dataclasses.replace(
+        w,
+        q=lax.transpose(w.q, permutation),
+        scale=lax.transpose(w.scale, permutation),
+        shape=None,
+        dtype=None,
+        weight_ndim=None,
     )
 
 
 # ----------------------------------------------------------------------------------------
 # Parameter trees
 
-_FORMATS = {"int8": Int8Weight, "int4": Int4Weight, "nf4": NF4Weight}
+_FORMATS: dict[str, tuple[type, dict[str, Any]]] = {
+    "int8": (Int8Weight, {}),
+    "int4": (Int4Weight, {}),
+    "nf4": (NF4Weight, {}),
+    "fp8_e4m3": (FP8Weight, {"fp8_dtype": jnp.float8_e4m3fn}),
+    "fp8_e5m2": (FP8Weight, {"fp8_dtype": jnp.float8_e5m2}),
+    **{f"int{k}": (IntKWeight, {"bits": k}) for k in (2, 3, 5, 6, 7)},
+}
+
+FORMATS: tuple[str, ...] = tuple(_FORMATS)
+"""The format names `quantize` and `quantize_dequantize` take: ``"int8"``, ``"int4"``,
+``"nf4"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"int2"``, ``"int3"``, ``"int5"``,
+``"int6"``, ``"int7"`` (see the module's notes)."""
+
+_OPTIONS = ("axis", "group_size", "block_size", "batch_ndim", "bits", "fp8_dtype")
 
 
 def _block_size(options: dict) -> int:
     return options.get("block_size", options.get("group_size", 64))
 
 
+def _skip_size(cls: type, options: dict) -> Any:
+    """The block size that a weight's last axis must be a multiple of."""
+    if issubclass(cls, FP8Weight):
+        return options.get("block_size")
+    if issubclass(cls, IntKWeight):
+        return options.get("group_size", 64)
+    return _block_size(options)
+
+
 def _fits(cls: type, leaf: Any, options: dict) -> bool:
     if cls is Int8Weight:
         return True
-    size = _block_size(options)
+    size = _skip_size(cls, options)
+    if issubclass(cls, (FP8Weight, IntKWeight)):  # a bad size is from_array's error
+        return size is None or not isinstance(size, int) or leaf.shape[-1] % size == 0
     return size % 2 == 0 and leaf.shape[-1] % size == 0
 
 
@@ -537,38 +977,52 @@ def quantize(
     Examples:
         >>> small = qax.quant.quantize(params, "nf4", block_size=64)
         >>> qax.use_implicit_args(model.apply)({"params": small}, x)
+        >>> fp8 = qax.quant.quantize(params, "fp8_e4m3")          # per channel
+        >>> int3 = qax.quant.quantize(params, "int3", group_size=32)
+        >>> int8g = qax.quant.quantize(params, qax.quant.IntKWeight, bits=8)
 
     Args:
       params: any pytree (Flax linen dict, NNX state, Equinox module, ...).
-      fmt: ``"int8"``, ``"int4"``, ``"nf4"``, or one of the classes.
+      fmt: a name in `FORMATS` (``"int8"``, ``"int4"``, ``"nf4"``, ``"fp8_e4m3"``,
+        ``"fp8_e5m2"``, ``"int2"``, ``"int3"``, ``"int5"``, ``"int6"``, ``"int7"``), or
+        one of the classes (`IntKWeight` with ``bits=``: any of 2 to 8 bits,
+        group-wise).
       filter: ``filter(path, leaf) -> bool`` (``path`` as in `qax.lora.loraify`).
         Default: `qax.lora.default_filter` (every 2-D+ weight but embeddings, norms and
-        biases), skipping weights whose last axis is not a multiple of the block size,
-        with a warning that names them.
+        biases), skipping weights whose last axis is not a multiple of the block size
+        (the group size of the integer formats), with a warning that names them.
       rules: per-path settings, like qwix's rules: an ordered list of ``(pattern,
         settings)``. The first pattern (a regular expression) that matches all of a
         weight's path decides for it: ``settings`` is a dict with a ``"format"`` and
         options overriding this call's (``axis``, ``group_size``, ``block_size``,
-        ``batch_ndim``), the weight then chosen whatever ``filter`` says; or ``None``,
-        to keep it dense. Weights no pattern matches follow ``filter``, ``fmt`` and
-        ``options``. E.g. ``rules=[(".*/attn/.*", {"format": "int8"}),
-        (".*/head/.*", None)]``.
-      **options: passed to ``from_array``: ``axis`` (int8: an axis or a tuple of
-        axes that keep their own scales), ``group_size`` (int4),
-        ``block_size`` (nf4), ``batch_ndim`` (stacked layers; an int or a function of
-        ``(path, leaf)``).
+        ``batch_ndim``, ``bits``, ``fp8_dtype``), the weight then chosen whatever
+        ``filter`` says; or ``None``, to keep it dense. Weights no pattern matches
+        follow ``filter``, ``fmt`` and ``options``. E.g. ``rules=[(".*/attn/.*",
+        {"format": "int8"}), (".*/head/.*", None)]``. A rule that picks another
+        format than the call's takes, of the call's options, ``batch_ndim``, ``axis``
+        (int8, fp8) and the block size (``block_size`` or ``group_size``, under the
+        name the format uses; not int8).
+      **options: passed to ``from_array``: ``axis`` (int8 and per-channel fp8: an axis
+        or a tuple of axes that keep their own scales), ``group_size`` (int4,
+        int2...int7 and `IntKWeight`), ``block_size`` (nf4; fp8: block-wise scales
+        instead of per-channel), ``bits`` (`IntKWeight`), ``fp8_dtype`` (`FP8Weight`),
+        ``batch_ndim`` (stacked layers; an int or a function of ``(path, leaf)``).
 
     Returns:
-      ``params`` with quantized weights.
+      ``params`` with quantized weights. Weights trained with quantization-aware
+      training (`qax.qat.FakeQuant`, also as the base of a `qax.lora.LoraWeight`)
+      become exactly the quantized weights they were trained against, in their own
+      format and options, whatever ``fmt`` says; other implicit arrays are kept.
 
     Raises:
-      ValueError: an unknown format, or a weight chosen by ``filter`` that the format
-        cannot hold.
+      ValueError: an unknown format, an option that contradicts the format's name
+        (``"int3"`` with ``bits=5``), `IntKWeight` without ``bits``, or a weight chosen
+        by ``filter`` that the format cannot hold.
     """
-    cls = _format(fmt)
-    lookup = qax.utils.path_rules(
-        rules, ("format", "axis", "group_size", "block_size", "batch_ndim"), "quantize"
-    )
+    cls, preset = _format(fmt)
+    options = _with_preset(fmt, preset, options)
+    _check_options(cls, options)
+    lookup = qax.utils.path_rules(rules, ("format", *_OPTIONS), "quantize")
     skipped = []  # chosen by the default filter, but the format cannot hold them
 
     def choose(path: str, leaf: Any) -> bool:
@@ -582,7 +1036,11 @@ def quantize(
         return True
 
     def convert(path, leaf):
-        if isinstance(leaf, qax.ImplicitArray) or not hasattr(leaf, "shape"):
+        if isinstance(leaf, qax.ImplicitArray):
+            # A `qax.qat.FakeQuant` (also as a LoRA base) becomes the codes it was
+            # trained against, in its own format; other implicit arrays stay.
+            return qax.qat.convert(leaf)
+        if not hasattr(leaf, "shape"):
             return leaf
         name = qax.utils.path_string(path)
         matched, settings = lookup(name)
@@ -593,50 +1051,124 @@ def quantize(
         kind, kwargs = cls, dict(options)
         if settings:
             settings = dict(settings)
-            kind = _format(settings.pop("format", fmt))
+            rule_fmt = settings.pop("format", fmt)
+            kind, rule_preset = _format(rule_fmt)
             if kind is not cls:  # the call's options that this format takes
                 kwargs = _options_for(kind, options)
-            kwargs.update(settings)
+            kwargs.update(_with_preset(rule_fmt, rule_preset, settings))
+            _check_options(kind, kwargs)
         if callable(kwargs.get("batch_ndim")):
             kwargs["batch_ndim"] = kwargs["batch_ndim"](name, leaf)
         return kind.from_array(leaf, **kwargs)
 
     out = qax.utils.tree_map_with_path_with_implicit(convert, params)
     if skipped:
-        size = _block_size(options)
         warnings.warn(
             f"quantize(..., {cls.__name__}) kept {len(skipped)} weight(s) unquantized: "
-            f"their last axis is not a multiple of the block size {size}: "
-            f"{', '.join(skipped)}. Pass a block size that divides it (block_size= for "
-            "nf4, group_size= for int4), or a `filter` that leaves them out.",
+            "their last axis is not a multiple of the block size "
+            f"{_skip_size(cls, options)}: {', '.join(skipped)}. Pass a block size that "
+            "divides it (block_size= for nf4 and fp8, group_size= for int4 and "
+            "int2...int7), or a `filter` that leaves them out.",
             stacklevel=2,
         )
     return out
 
 
+def quantize_dequantize(
+    x: jax.Array, fmt: str | type = "nf4", **options: Any
+) -> jax.Array:
+    """The array that ``x`` quantized in a format decodes to (quantize, then decode).
+
+    A pure function of ``x``, differentiable as its operations are (rounding has a zero
+    derivative almost everywhere). For quantization-aware training, with
+    straight-through gradients, use `qax.qat.FakeQuant` / `qax.qat.fake_quantize`.
+
+    Examples:
+        >>> w = jax.random.normal(jax.random.key(0), (64, 128))
+        >>> err = qax.quant.quantize_dequantize(w, "int3", group_size=32) - w
+
+    Args:
+      x: a floating-point array, quantized as one weight (``batch_ndim=`` for stacked
+        ones).
+      fmt: a format name in `FORMATS` or a `QuantizedWeight` class, as in `quantize`.
+      **options: the format's ``from_array`` options (``axis``, ``group_size``,
+        ``block_size``, ``bits``, ``fp8_dtype``, ``batch_ndim``).
+
+    Returns:
+      An array of ``x``'s shape and dtype.
+
+    Raises:
+      ValueError: as `quantize`, or the format cannot hold ``x``'s shape.
+    """
+    cls, preset = _format(fmt)
+    options = _with_preset(fmt, preset, options)
+    _check_options(cls, options)
+    return cls.from_array(x, **options).dequantize()
+
+
+def _with_preset(fmt: Any, preset: dict, options: dict) -> dict:
+    """``options`` with what the format's name fixes (``"int3"``: ``bits=3``)."""
+    for key, value in preset.items():
+        given = options.get(key, value)
+        if not _same(key, given, value):
+            raise ValueError(
+                f"quantize: format {fmt!r} means {key}={_show(value)}, but {key}="
+                f"{given!r} was given. Name the format that has it, or pass the class "
+                f"with the option: qax.quant.{_FORMATS[fmt][0].__name__} with "
+                f"{key}={given!r}."
+            )
+    return {**options, **preset}
+
+
+def _same(key: str, a: Any, b: Any) -> bool:
+    if key != "fp8_dtype":
+        return a == b
+    try:
+        return jnp.dtype(a) == jnp.dtype(b)
+    except TypeError:
+        return False
+
+
+def _show(value: Any) -> str:
+    return jnp.dtype(value).name if isinstance(value, type) else repr(value)
+
+
+def _check_options(cls: type, options: dict) -> None:
+    if issubclass(cls, IntKWeight) and "bits" not in options:
+        raise ValueError(
+            "quantize: IntKWeight needs bits= (2 to 8), e.g. quantize(params, "
+            "qax.quant.IntKWeight, bits=8) for group-wise int8; or a format name: "
+            f"{', '.join(FORMATS)}."
+        )
+
+
 def _options_for(cls: type, options: dict) -> dict:
     """The options of `quantize`'s call that `cls.from_array` takes, for a rule that
-    picks another format than the call's: the block size (``block_size`` or
-    ``group_size``) under the name the 4-bit format uses, ``axis`` for int8 only."""
-    if cls not in _FORMATS.values():
+    picks another format than the call's: ``batch_ndim``; ``axis`` for int8 and fp8;
+    the block size (``block_size`` or ``group_size``) under the name the format uses
+    (not for int8)."""
+    if cls not in {kind for kind, _ in _FORMATS.values()}:
         return dict(options)
     out = {"batch_ndim": options["batch_ndim"]} if "batch_ndim" in options else {}
-    if cls is Int8Weight:
-        if "axis" in options:
-            out["axis"] = options["axis"]
-    elif "block_size" in options or "group_size" in options:
-        out["group_size" if cls is Int4Weight else "block_size"] = _block_size(options)
+    if cls in (Int8Weight, FP8Weight) and "axis" in options:
+        out["axis"] = options["axis"]
+    if cls is not Int8Weight and ("block_size" in options or "group_size" in options):
+        name = "group_size" if cls in (Int4Weight, IntKWeight) else "block_size"
+        out[name] = _block_size(options)
     return out
 
 
-def _format(fmt: Any) -> type:
-    cls = _FORMATS.get(fmt) if isinstance(fmt, str) else fmt
-    if not (isinstance(cls, type) and issubclass(cls, QuantizedWeight)):
-        raise ValueError(
-            f"quantize: unknown format {fmt!r}; use one of {sorted(_FORMATS)} or a "
-            "QuantizedWeight subclass."
-        )
-    return cls
+def _format(fmt: Any) -> tuple[type, dict[str, Any]]:
+    """The class of a format (a name or a class) and the options its name fixes."""
+    if isinstance(fmt, str) and fmt in _FORMATS:
+        return _FORMATS[fmt]
+    if isinstance(fmt, type) and issubclass(fmt, QuantizedWeight):
+        return fmt, {}
+    raise ValueError(
+        f"quantize: unknown format {fmt!r}; use one of {', '.join(FORMATS)}, or a "
+        "QuantizedWeight subclass (qax.quant.IntKWeight with bits= for any of 2 to 8 "
+        "bits)."
+    )
 
 
 def dequantize(params: Any) -> Any:

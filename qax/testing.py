@@ -217,7 +217,8 @@ def _batch_of_two(x: Any) -> Any:
             leaf = jnp.asarray(leaf)
             if not _is_inexact(leaf):
                 return leaf
-            return (leaf * factor).astype(leaf.dtype)
+            # In the leaf's dtype: 8-bit floats have no implicit promotion.
+            return leaf * factor.astype(leaf.dtype)
 
         return jax.tree_util.tree_map(scale, x)
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import re
 import warnings
 
 import jax
@@ -14,8 +17,17 @@ from jax import lax
 
 import qax
 from qax.lora import LoraWeight
-from qax.quant import NF4_LEVELS, Int4Weight, Int8Weight, NF4Weight, QuantizedWeight
+from qax.quant import (
+    NF4_LEVELS,
+    FP8Weight,
+    Int4Weight,
+    Int8Weight,
+    IntKWeight,
+    NF4Weight,
+    QuantizedWeight,
+)
 from qax.testing import check_handler
+from tests.helpers import all_eqns
 
 FORMATS = [
     pytest.param(lambda w: Int8Weight.from_array(w), id="int8"),
@@ -30,13 +42,6 @@ def normal(shape, seed=0, dtype=jnp.float32):
     return jax.random.normal(jax.random.PRNGKey(seed), shape).astype(dtype)
 
 
-def all_eqns(jaxpr):
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            yield from all_eqns(sub)
-
-
 def find_eqn(jaxpr, name):
     return next((e for e in all_eqns(jaxpr) if e.primitive.name == name), None)
 
@@ -46,7 +51,7 @@ def strict():
     import contextlib
 
     stack = contextlib.ExitStack()
-    for cls in (Int8Weight, Int4Weight, NF4Weight, LoraWeight):
+    for cls in (Int8Weight, Int4Weight, NF4Weight, FP8Weight, IntKWeight, LoraWeight):
         stack.enter_context(qax.materialization_policy(cls, "error"))
     return stack
 
@@ -522,9 +527,406 @@ def test_quantize_and_loraify_take_per_path_rules_first_match_wins():
         )
     with pytest.raises(ValueError, match="not a regular expression"):
         qax.quant.quantize(params, "int8", rules=[("(", {})])
-    with pytest.raises(ValueError, match="unknown format 'int3'"):
-        qax.quant.quantize(params, "int8", rules=[(".*", {"format": "int3"})])
+    with pytest.raises(ValueError, match="unknown format 'int9'"):
+        qax.quant.quantize(params, "int8", rules=[(".*", {"format": "int9"})])
     with pytest.raises(ValueError, match="rank must be a positive integer"):
         qax.lora.loraify(
             params, 4, key=jax.random.PRNGKey(0), rules=[(".*", {"rank": 0})]
         )
+
+
+# ----------------------------------------------------------------------------------------
+# FP8 and k-bit integers (issue 25)
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+# Every new format, as (class, from_array options): fp8 per channel and block-wise, and
+# the k-bit integers that have a name (4 and 8 keep Int4Weight / Int8Weight).
+NEW = {
+    "fp8_e4m3": (FP8Weight, {}),
+    "fp8_e5m2": (FP8Weight, {"fp8_dtype": E5M2}),
+    "fp8_e4m3-block": (FP8Weight, {"block_size": 16}),
+    "fp8_e5m2-block": (FP8Weight, {"fp8_dtype": E5M2, "block_size": 16}),
+    **{f"int{k}": (IntKWeight, {"bits": k, "group_size": 16}) for k in (2, 3, 5, 6, 7)},
+}
+NEW_IDS = list(NEW)
+DTYPES = [pytest.param(jnp.float32, id="f32"), pytest.param(jnp.bfloat16, id="bf16")]
+# bf16: the oracle decodes to bf16 and sums the scales' gradients (|code| * |x|, codes
+# up to 448 or 57344 for fp8) in bf16; the handler's sums round differently.
+BF16_TOL = {"rtol": 5e-2, "atol": 5e-2}
+
+
+def make_new(name, w, **kw):
+    cls, options = NEW[name]
+    return cls.from_array(w, **options, **kw)
+
+
+def tol(dtype):
+    return BF16_TOL if dtype == jnp.bfloat16 else {}
+
+
+@pytest.mark.parametrize("name", NEW_IDS)
+def test_new_formats_round_trip_within_half_a_step(name):
+    w = normal((8, 64), seed=2) * jnp.linspace(0.01, 3.0, 64)  # channels of any size
+    q = make_new(name, w)
+    assert q.shape == w.shape and q.dtype == w.dtype
+    err = np.abs(np.asarray(q.dequantize() - w))
+    groups = np.asarray(w).reshape(8, 4, 16)
+    w = np.abs(np.asarray(w))
+    if isinstance(q, FP8Weight):
+        # Half a unit in the last place of the code: relative (eps / 2) for normal
+        # codes, half the smallest subnormal (times the scale) below them.
+        info = jnp.finfo(q.q.dtype)
+        scale = np.asarray(q.scale, np.float32)
+        if q.block_size is not None:
+            scale = np.repeat(scale, q.block_size, axis=-1)
+        bound = w * float(info.eps) / 2 + scale * float(info.smallest_subnormal) / 2
+        assert np.all(np.abs(np.asarray(q.q, np.float32)) <= float(info.max))
+    else:
+        bound = np.repeat(np.asarray(q.scale), q.group_size, axis=-1) / 2
+        top = 2 ** (q.bits - 1) - 1
+        if q.bits >= 4:  # the largest number is top steps, or the most negative -top-1
+            want = np.maximum(groups.max(-1) / top, -groups.min(-1) / (top + 1))
+        else:  # the absmax is top + 1/2 steps: it rounds half a step inwards
+            want = np.abs(groups).max(-1) / (top + 0.5)
+        np.testing.assert_allclose(q.scale, want, rtol=1e-6)
+        codes = np.round(np.asarray(q.dequantize()).reshape(8, 4, 16) / want[..., None])
+        assert codes.min() >= -top - 1 and codes.max() <= top
+        if q.bits <= 3:  # every level is used on these weights
+            assert len(np.unique(codes)) == 2**q.bits
+    assert np.all(err <= bound * (1 + 1e-5) + 1e-7), np.max(err - bound)
+    bf16 = make_new(name, w.astype(jnp.bfloat16))
+    assert bf16.dtype == jnp.bfloat16 and bf16.dequantize().dtype == jnp.bfloat16
+    zero = make_new(name, jnp.zeros((4, 32)))
+    np.testing.assert_array_equal(zero.dequantize(), 0)
+
+
+@pytest.mark.parametrize("bits", range(2, 9))
+def test_intk_storage_is_exactly_k_bits_per_number(bits):
+    w = normal((16, 192), seed=bits)
+    q = IntKWeight.from_array(w, bits, group_size=64)
+    assert q.packed.dtype == jnp.uint8 and q.packed.nbytes * 8 == w.size * bits
+    assert q.nbytes == w.size * bits // 8 + 4 * w.size // 64
+    # The documented layout, rebuilt with numpy: code i of a row in bits i*k..i*k+k-1
+    # of the row's bytes, least significant bit first.
+    top = 2 ** (bits - 1) - 1
+    scale = np.repeat(np.asarray(q.scale), 64, axis=-1)
+    codes = np.rint(np.asarray(q.dequantize()) / scale).astype(np.int64) + top + 1
+    assert codes.min() >= 0 and codes.max() <= 2 * top + 1  # every level allowed
+    stream = (codes[..., None] >> np.arange(bits)) & 1
+    expected = np.packbits(stream.reshape(16, -1).astype(np.uint8), -1, "little")
+    np.testing.assert_array_equal(q.packed, expected)
+
+
+def test_intk_with_4_and_8_bits_and_fp8_storage():
+    w = normal((8, 64), seed=4)
+    four = IntKWeight.from_array(w, 4, group_size=16)
+    int4 = Int4Weight.from_array(w, group_size=16)
+    np.testing.assert_array_equal(four.packed, int4.packed)  # the same bytes
+    np.testing.assert_array_equal(four.dequantize(), int4.dequantize())
+    eight = qax.quant.quantize({"k": w}, IntKWeight, bits=8, group_size=16)["k"]
+    assert eight.bits == 8 and eight.packed.dtype == jnp.uint8
+    assert eight.packed.nbytes == w.size and eight.scale.shape == (8, 4)
+    # group-wise int8: within half a step of its group's scale
+    err = np.abs(np.asarray(eight.dequantize() - w))
+    assert np.all(err <= np.repeat(np.asarray(eight.scale), 16, -1) / 2 + 1e-7)
+    for dtype, name in ((E4M3, "fp8_e4m3"), (E5M2, "fp8_e5m2")):
+        q = qax.quant.quantize({"k": w}, name)["k"]
+        assert isinstance(q, FP8Weight) and q.q.dtype == dtype
+        assert q.q.nbytes == w.size and q.scale.shape == (1, 64)
+        largest = float(jnp.finfo(dtype).max)  # absmax maps to the largest code
+        np.testing.assert_allclose(
+            np.max(np.abs(np.asarray(q.q, np.float32)), 0), largest, rtol=1e-6
+        )
+    blocks = qax.quant.quantize({"k": w}, "fp8_e5m2", block_size=32)["k"]
+    assert blocks.block_size == 32 and blocks.scale.shape == (8, 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", NEW_IDS)
+def test_new_formats_dot_general_check_handler(name, dtype):
+    # check_handler: eager, jit, vmap and grad (every float leaf: x and the scales;
+    # the fp8 codes get none, as in `dequantize`) against decode-then-product.
+    q = make_new(name, normal((32, 16), dtype=dtype))
+    x = normal((3, 32), 1, dtype)
+    if dtype == jnp.bfloat16 and name in ("fp8_e4m3", "fp8_e5m2"):
+        # Per-channel fp8 scales' gradients sum code * x * cotangent terms with codes
+        # up to 448 (57344 for e5m2); for a random x those sums cancel down to bf16
+        # noise on both sides (each off the float32 value by ~1% of the largest).
+        # Rows of x with one nonzero each make every output one code times x.
+        x = (
+            jnp.zeros_like(x)
+            .at[jnp.arange(3), jnp.array([3, 17, 30])]
+            .set(jnp.array([1.5, -0.75, 2.0], dtype))
+        )
+    check(lambda x, w: x @ w, "dot_general", x, q, **tol(dtype))
+
+
+def jaxpr_dot_operands(fn, *args):
+    dot = find_eqn(
+        jax.make_jaxpr(qax.use_implicit_args(fn))(*args).jaxpr, "dot_general"
+    )
+    return [v.aval.dtype for v in dot.invars]
+
+
+def einsum(spec, weight_first=False):
+    if weight_first:
+        return lambda x, w: jnp.einsum(spec, w, x)
+    return lambda x, w: jnp.einsum(spec, x, w)
+
+
+# Per-channel weights in every layout: the narrow product where the scales run along
+# output axes only (batched heads included), decode-then-product where they do not.
+# (name, x shape, w shape, the scales' axes, narrow?, the product)
+NARROW_LAYOUTS = [
+    ("x@W", (3, 32), (32, 16), -1, True, einsum("bi,io->bo")),
+    ("W@x", (32, 2, 5), (32, 16), -1, True, einsum("io,ibc->obc", True)),
+    ("heads", (4, 3, 32), (4, 32, 16), (0, 2), True, einsum("hbi,hio->hbo")),
+    ("rows", (3, 32), (16, 32, 2), (0, 2), True, einsum("bi,oiz->bzo")),
+    ("x@W.T", (3, 16), (32, 16), -1, False, einsum("bo,io->bi")),
+]
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("layout", NARROW_LAYOUTS, ids=[c[0] for c in NARROW_LAYOUTS])
+def test_per_channel_products_narrow_or_decoded(layout, fp8):
+    _, x_shape, w_shape, axis, narrow, fn = layout
+    w = normal(w_shape)
+    q = (
+        FP8Weight.from_array(w, axis=axis)
+        if fp8
+        else Int8Weight.from_array(w, axis=axis)
+    )
+    x = normal(x_shape, seed=1)
+    check(fn, "dot_general", x, q)
+    operands = jaxpr_dot_operands(fn, x, q)
+    assert (q.q.dtype in operands) == narrow, operands
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["int8", "fp8_e4m3"])
+def test_narrow_product_in_the_compiled_program(fp8):
+    # A bf16 model: x (bf16) @ w (int8 / fp8 codes, bf16 scales per output unit).
+    w = normal((32, 16), dtype=jnp.bfloat16)
+    q = FP8Weight.from_array(w) if fp8 else Int8Weight.from_array(w)
+    x = normal((3, 32), seed=1, dtype=jnp.bfloat16)
+    f = jax.jit(qax.use_implicit_args(lambda x, w: x @ w))
+    with strict():
+        got = f(x, q)
+        # The jaxpr: the product's operand is the codes, and no value of the weight's
+        # shape is a float (nothing is decoded; the scales multiply the (3, 16) output).
+        assert jaxpr_dot_operands(lambda x, w: x @ w, x, q) == [x.dtype, q.q.dtype]
+        jaxpr = jax.make_jaxpr(f)(x, q)
+        tpu = f.trace(x, q).lower(lowering_platforms=("tpu",)).as_text()
+        cpu = f.lower(x, q).compile().as_text()
+    ref = x @ q.dequantize()
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), np.asarray(ref, np.float32), rtol=2e-2, atol=5e-2
+    )
+    floats = {
+        tuple(v.aval.shape)
+        for e in all_eqns(jaxpr.jaxpr)
+        for v in e.outvars
+        if jnp.issubdtype(v.aval.dtype, jnp.floating) and v.aval.dtype.itemsize > 1
+    }
+    assert (32, 16) not in floats, floats  # (fp8 codes aside)
+    # The program: JAX lowers a dot with operands of two dtypes as it is for TPU, so
+    # the TPU program (lowered here without a TPU) multiplies bf16 by the 8-bit codes.
+    # For CPU and GPU, JAX's lowering converts both operands to the output dtype
+    # first (`_handle_dot_precision` in jax/_src/lax/lax.py: those backends lack mixed
+    # dots), so XLA:CPU's compiled program converts the 8-bit parameter for its dot;
+    # in both, nothing multiplies the weight by its scales.
+    code = "f8E4M3FN" if fp8 else "i8"
+    dot = [line for line in tpu.splitlines() if "stablehlo.dot_general" in line]
+    assert len(dot) == 1 and f"tensor<32x16x{code}>" in dot[0], dot
+    param = "f8e4m3fn[32,16]" if fp8 else "s8[32,16]"
+    assert param in cpu.split("ENTRY")[1].splitlines()[0], cpu  # the codes come in
+    assert re.search(r"\[3,16\]\S* multiply\(", cpu), cpu  # the scales: on the output
+    assert not re.search(r"\[32,16\]\S* multiply\(", cpu), cpu
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2-block", "int3", "int6"])
+def test_new_formats_gather_rows(name):
+    table = make_new(name, normal((50, 32)))
+    ids = jnp.array([[3, 49, 0], [7, 7, 1]])
+    fn = lambda w, i: w[i]  # noqa: E731
+    with strict():
+        got = jax.jit(qax.use_implicit_args(fn))(table, ids)
+    np.testing.assert_array_equal(got, table.dequantize()[ids])
+    eqn = find_eqn(jax.make_jaxpr(fn)(table.dequantize(), ids).jaxpr, "gather")
+    report = check_handler("gather", table, ids[..., None], **eqn.params)
+    assert not report.materializations
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", NEW_IDS)
+def test_new_formats_under_scan_of_stacked_layers(name, dtype):
+    # Three layers stacked on a batch axis: `lax.scan` slices the codes and scales
+    # (no decoding of the stack), value and gradient (x and the scales) as the oracle.
+    ws = jnp.stack([normal((16, 16), seed=i) * 0.3 for i in range(3)]).astype(dtype)
+    stacked = make_new(name, ws, batch_ndim=1)
+    assert stacked.shape == (3, 16, 16) and stacked.weight_ndim == 2
+    x = normal((2, 16), seed=5, dtype=dtype)
+
+    def net(stacked, x):
+        return lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, stacked)[0]
+
+    def loss(stacked, x):
+        return jnp.sum(net(stacked, x).astype(jnp.float32) ** 2)
+
+    def implicit(scale, x):
+        return qax.use_implicit_args(loss)(dataclasses.replace(stacked, scale=scale), x)
+
+    def oracle(scale, x):  # the decoded stack
+        return loss(dataclasses.replace(stacked, scale=scale).dequantize(), x)
+
+    grad = functools.partial(jax.value_and_grad, argnums=(0, 1))
+    with strict():
+        value, (g_scale, g_x) = jax.jit(grad(implicit))(stacked.scale, x)
+    want, (d_scale, d_x) = grad(oracle)(stacked.scale, x)
+    r = 5e-2 if dtype == jnp.bfloat16 else 1e-4
+    np.testing.assert_allclose(float(value), float(want), rtol=r)
+    for g, d in ((g_scale, d_scale), (g_x, d_x)):
+        g, d = np.asarray(g, np.float32), np.asarray(d, np.float32)
+        np.testing.assert_allclose(g, d, rtol=r, atol=r * np.abs(d).max())
+
+
+@pytest.mark.parametrize(
+    "fmt", ["fp8_e4m3", "fp8_e5m2", "int2", "int3", "int5", "int6", "int7"]
+)
+def test_qlora_over_each_new_format(fmt):
+    options = {} if fmt.startswith("fp8") else {"group_size": 32}
+    base = qax.quant.quantize(mlp_params(), fmt, **options)
+    assert all(isinstance(w, QuantizedWeight) for w in base.values())
+    params = qax.lora.loraify(base, 4, key=jax.random.PRNGKey(7), alpha=8.0)
+    adapters, frozen = qax.lora.split(params)
+    x, y = normal((16, 32), seed=3), normal((16, 32), seed=4)
+
+    def loss(adapters):
+        p = qax.lora.combine(adapters, frozen)
+        return qax.use_implicit_args(lambda p: jnp.mean((mlp(p, x) - y) ** 2))(p)
+
+    def oracle(adapters):  # every weight materialized: base decoded, plus B A
+        p = qax.lora.combine(adapters, frozen)
+        p = {k: qax.materialize_nested(w, full=True) for k, w in p.items()}
+        return jnp.mean((mlp(p, x) - y) ** 2)
+
+    opt = optax.adam(1e-2)
+
+    @jax.jit
+    def step(adapters, opt_state):
+        value, grads = jax.value_and_grad(loss)(adapters)
+        updates, opt_state = opt.update(grads, opt_state, adapters)
+        return optax.apply_updates(adapters, updates), opt_state, value, grads
+
+    opt_state = opt.init(adapters)
+    with strict():
+        losses = []
+        for i in range(6):
+            if i == 1:  # the gradient of a trained step (B != 0) against the oracle
+                want = jax.grad(oracle)(adapters)
+            adapters, opt_state, value, grads = step(adapters, opt_state)
+            if i == 1:
+                for g, d in zip(
+                    jax.tree_util.tree_leaves(grads),
+                    jax.tree_util.tree_leaves(want),
+                    strict=True,
+                ):
+                    np.testing.assert_allclose(g, d, rtol=1e-4, atol=1e-6)
+            losses.append(float(value))
+    assert losses[-1] < losses[0], losses
+    np.testing.assert_allclose(
+        float(oracle(adapters)), float(loss(adapters)), rtol=1e-5
+    )
+    # The base never changed: the same codes and scales as quantized.
+    after = qax.lora.combine(adapters, frozen)
+    for k in base:
+        for a, b in zip(
+            jax.tree_util.tree_leaves(after[k].w),
+            jax.tree_util.tree_leaves(base[k]),
+            strict=True,
+        ):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_new_format_errors_name_the_fix():
+    w = normal((4, 64))
+    for bits in (0, 1, 9, 2.5, True, "3"):
+        match = rf"bits={re.escape(repr(bits))}; bits must be an integer from 2 to 8"
+        with pytest.raises(ValueError, match=match):
+            IntKWeight.from_array(w, bits)
+    with pytest.raises(ValueError, match="group_size a multiple of 8: each group of 3"):
+        IntKWeight.from_array(w, 3, group_size=4)  # 12 bits: no whole bytes
+    IntKWeight.from_array(w, 6, group_size=4)  # 24 bits: 3 bytes
+    with pytest.raises(ValueError, match="multiple of group_size=48"):
+        IntKWeight.from_array(w, 6, group_size=48)
+    for dtype in (jnp.int8, "float16", "e4m3"):
+        with pytest.raises(
+            ValueError, match="is not an FP8 format; use jnp.float8_e4m3fn"
+        ):
+            FP8Weight.from_array(w, dtype)
+    with pytest.raises(ValueError, match="axis= for per-channel .* not both"):
+        FP8Weight.from_array(w, axis=0, block_size=16)
+    with pytest.raises(ValueError, match="multiple of block_size=24"):
+        FP8Weight.from_array(w, block_size=24)
+    params = {"k": w}
+    for bad in ("int1", "int9", "fp8", "fp8_e4m3fn"):
+        with pytest.raises(ValueError, match=f"unknown format '{bad}'.*int2, int3"):
+            qax.quant.quantize(params, bad)
+    with pytest.raises(ValueError, match="format 'int3' means bits=3, but bits=5"):
+        qax.quant.quantize(params, "int3", bits=5)
+    with pytest.raises(ValueError, match="'fp8_e5m2' means fp8_dtype=float8_e5m2"):
+        qax.quant.quantize(params, "fp8_e5m2", fp8_dtype=E4M3)
+    with pytest.raises(ValueError, match="IntKWeight needs bits="):
+        qax.quant.quantize(params, IntKWeight)
+    with pytest.raises(ValueError, match="format 'int3' means bits=3"):
+        qax.quant.quantize(
+            params, "int5", rules=[(".*", {"format": "int3", "bits": 5})]
+        )
+    # What the group cannot hold, the default filter skips, with the warning.
+    with pytest.warns(UserWarning, match=r"kept 1 weight.*b \(4, 40\).*group_size="):
+        q = qax.quant.quantize({"a": w, "b": normal((4, 40))}, "int3")
+    assert isinstance(q["a"], IntKWeight) and not isinstance(q["b"], QuantizedWeight)
+
+
+def test_quantize_by_name_and_rule_quantize_dequantize_and_frozen_codes():
+    params = {
+        "attn": {"kernel": normal((32, 64))},
+        "mlp": {"kernel": normal((64, 32), 1)},
+        "head": {"kernel": normal((32, 48), 2)},
+        "proj": {"kernel": normal((64, 48), 3)},
+    }
+    rules = [
+        ("attn/.*", {"format": "fp8_e5m2"}),
+        ("proj/.*", {"format": "fp8_e4m3", "block_size": None, "axis": 0}),
+        ("head/.*", {"format": "int3", "group_size": 16}),
+    ]
+    q = qax.quant.quantize(params, "int5", group_size=32, rules=rules)
+    attn, mlp_k, head = (q[k]["kernel"] for k in ("attn", "mlp", "head"))
+    # fp8 by a rule: the call's block size, under fp8's name for it
+    assert isinstance(attn, FP8Weight) and attn.q.dtype == E5M2
+    assert attn.block_size == 32 and attn.scale.shape == (32, 2)
+    assert isinstance(mlp_k, IntKWeight) and (mlp_k.bits, mlp_k.group_size) == (5, 32)
+    proj = q["proj"]["kernel"]  # a rule's own settings win: per channel, along axis 0
+    assert isinstance(proj, FP8Weight) and proj.q.dtype == E4M3
+    assert proj.block_size is None and proj.scale.shape == (64, 1)
+    assert isinstance(head, IntKWeight) and (head.bits, head.group_size) == (3, 16)
+
+    w = params["attn"]["kernel"]
+    everything = lambda path, x: True  # noqa: E731
+    for fmt, options in (
+        ("fp8_e4m3", {"block_size": 16}),
+        ("int3", {"group_size": 32}),
+        (IntKWeight, {"bits": 8}),
+    ):
+        got = qax.quant.quantize_dequantize(w, fmt, **options)
+        tree = qax.quant.quantize({"w": w}, fmt, filter=everything, **options)
+        np.testing.assert_array_equal(got, tree["w"].dequantize())
+        assert got.shape == w.shape and got.dtype == w.dtype
+    assert set(qax.quant.FORMATS) >= {"int2", "int3", "int5", "int6", "int7"}
+
+    # The codes are frozen: optimizer updates move the scales only (fp8 codes are
+    # floats, and would otherwise move).
+    ones = jax.tree_util.tree_map(jnp.ones_like, attn)
+    moved = qax.utils.apply_updates(attn, ones)
+    np.testing.assert_array_equal(moved.q, attn.q)
+    np.testing.assert_allclose(moved.scale, attn.scale + 1)
+    assert attn.frozen_fields() == ("q",) and head.frozen_fields() == ("packed",)

@@ -324,7 +324,7 @@ def test_stored_fields_under_grad_vmap_and_export():
         jax.jit(jax.grad(of_scale))(one.scale),
         jax.grad(lambda s: loss(one.q * s, xs[0]))(one.scale),
         rtol=1e-5,
-        atol=1e-6,
+        atol=1e-3,  # gradients of ~50: the int8 product sums them in its own order
     )
 
     exported = jax.export.export(jax.jit(qax.use_implicit_args(loss)))(one, xs[0])
