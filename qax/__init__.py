@@ -34,8 +34,9 @@ from . import utils as utils
 from ._optax import freeze_keys as freeze_keys
 
 # isort: split
-# More built-in types (public API only; `quant` builds on `lora`).
+# More built-in types (public API only; `quant` builds on `lora`, `qat` on `quant`).
 from . import lora as lora
+from . import qat as qat
 from . import quant as quant
 
 __version__ = "0.1.0"
@@ -61,6 +62,7 @@ __all__ = [
     "materialization_policy",
     "materialize_nested",
     "primitive_handler",
+    "qat",
     "quant",
     "sharding",
     "symbols",

@@ -32,6 +32,7 @@ PUBLIC_MODULES = (
     "qax",
     "qax.lora",
     "qax.quant",
+    "qax.qat",
     "qax.symbols",
     "qax.utils",
     "qax.sharding",

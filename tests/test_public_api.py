@@ -14,6 +14,7 @@ PUBLIC_MODULES = [
     "qax.lora",
     "qax.nnx",
     "qax.quant",
+    "qax.qat",
     "qax.sharding",
     "qax.utils",
     "qax.symbols",
