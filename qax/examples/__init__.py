@@ -2,5 +2,8 @@
 
 `qax.examples.models` holds two small Flax language models that know nothing about
 qax; the how-to notebook and ``notebooks/lora_finetune.py`` fine-tune them with LoRA.
-It is not imported by ``import qax``.
+`qax.examples.nnx_transformer` is a small Gemma-style Flax NNX decoder (einsum
+attention kernels, fused QKV or grouped key/value heads, a tied embedding, layers
+scanned with `nnx.scan`), used by ``tests/test_nnx_transformer.py`` and
+``benchmarks/bench_qwix.py``. Neither is imported by ``import qax``.
 """
