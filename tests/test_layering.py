@@ -16,7 +16,7 @@ import pytest
 import qax
 
 PACKAGE = pathlib.Path(qax.__file__).parent
-BUILT_INS = ("symbols", "lora", "quant")
+BUILT_INS = ("symbols", "lora", "quant", "qat")
 MAX_LINES = 700
 
 

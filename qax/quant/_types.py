@@ -1,63 +1,4 @@
-"""Quantized weights that stay quantized: integer, NormalFloat and FP8 codes.
-
-Each type stores codes plus floating-point scales and behaves like the dense weight they
-decode to. The handlers decode *inside* the operation that uses the weight, so the
-full-precision weight never exists as a parameter or an input of the program:
-
-- ``dot_general`` (any layout, either side) and ``conv_general_dilated``: decode, then
-  the product (XLA fuses the decoding into it). For per-channel `Int8Weight` and
-  `FP8Weight` whose scales run only along output (non-contracted) axes of the product,
-  the product takes the int8 / fp8 codes themselves as its operand and the scales
-  multiply its output (a *narrow product*: JAX's TPU lowering feeds the codes to the
-  dot as they are; on CPU and GPU, JAX's lowering converts them to the product's
-  dtype right before the dot, and nothing of the weight's size is multiplied);
-- ``gather`` of rows (embedding lookups): only the gathered rows are decoded;
-- ``convert_element_type`` to a floating dtype: the same codes, decoding to that dtype
-  (``w.astype(jnp.bfloat16)`` keeps 4-bit storage); ``mul`` by a scalar rescales the
-  scales; ``transpose`` of a per-channel weight transposes its codes; ``stop_gradient``;
-- ``add`` / ``sub`` (merging a LoRA into a quantized base): decoded inside the handler.
-
-The formats (the names `quantize` takes):
-
-- ``"int8"``, `Int8Weight`: symmetric int8 with one scale per output channel (``axis``,
-  by default the last axis: the output axis of a Flax ``(in, out)`` kernel; or a tuple
-  of axes, e.g. heads and outputs of an einsum kernel). 1 byte per number.
-- ``"int4"``, `Int4Weight`: symmetric 4-bit integers in ``[-8, 7]`` with one scale per
-  group of ``group_size`` consecutive numbers along the last axis; two numbers per byte.
-- ``"nf4"``, `NF4Weight`: QLoRA's 4-bit NormalFloat: 16 levels at quantiles of a
-  standard normal (one of them exactly zero), one absmax scale per block of
-  ``block_size`` numbers along the last axis; two numbers per byte. For normally
-  distributed weights its error is lower than `Int4Weight`'s at the same size (see
-  ``benchmarks/bench_quant.py``).
-- ``"fp8_e4m3"`` / ``"fp8_e5m2"``, `FP8Weight`: ``float8_e4m3fn`` / ``float8_e5m2``
-  codes, each scale mapping its absmax to the format's largest finite value (448 /
-  57344); one scale per output channel (``axis``, as for int8) or, with
-  ``block_size=``, one per block along the last axis. 1 byte per number.
-- ``"int2"``, ``"int3"``, ``"int5"``, ``"int6"``, ``"int7"``, `IntKWeight`:
-  ``bits``-bit two's-complement integers in ``[-2**(bits-1), 2**(bits-1) - 1]`` (all
-  ``2**bits`` levels used: ``int2`` is ``{-2, -1, 0, 1}``), one scale per group along
-  the last axis, packed so that a weight of ``n``
-  numbers takes exactly ``n * bits / 8`` bytes. Any ``bits`` from 2 to 8 through the
-  class: ``quantize(params, qax.quant.IntKWeight, bits=8, group_size=64)`` is group-wise
-  int8 (``"int4"`` and ``"int8"`` keep their own types above; ``IntKWeight`` with
-  ``bits=4`` stores the very bytes `Int4Weight` does).
-
-Gradients flow into the scales as they would into the decoded weight; the codes get
-none (integers; FP8 codes are decoded under `jax.lax.stop_gradient`), and every type
-declares its codes frozen (`qax.ImplicitArray.frozen_fields`), so
-`qax.utils.apply_updates` never moves them. A quantized base is meant to stay fixed:
-differentiate with respect to the LoRA factors only (`qax.lora.split`), or wrap it in
-`jax.lax.stop_gradient` (which `qax.lora.LoraWeight` does for its ``w``; the handler
-keeps the weight quantized), and no weight-sized gradient is computed for it. Train on
-top of them with `qax.lora` (QLoRA), whatever the format:
-
-Examples:
-    >>> base = qax.quant.quantize(params, "nf4")        # or "fp8_e4m3", "int3", ...
-    >>> params = qax.lora.loraify(base, rank=8, key=jax.random.key(0))
-    >>> adapters, base = qax.lora.split(params)   # train `adapters` as in qax.lora
-
-`quantize_dequantize` gives the array a format decodes to (quantize, then decode), for
-quantization-aware training and error studies.
+"""The quantized weight types and their encodings (see `qax.quant`).
 
 This module uses qax's public API only.
 """
@@ -67,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import warnings
 from collections.abc import Callable
 from statistics import NormalDist
 from typing import Any, ClassVar
@@ -78,21 +18,6 @@ import numpy as np
 from jax import lax
 
 import qax
-from qax.lora import default_filter
-
-__all__ = [
-    "FORMATS",
-    "NF4_LEVELS",
-    "FP8Weight",
-    "Int4Weight",
-    "Int8Weight",
-    "IntKWeight",
-    "NF4Weight",
-    "QuantizedWeight",
-    "dequantize",
-    "quantize_dequantize",
-    "quantize",
-]
 
 
 def _nf4_levels() -> np.ndarray:
@@ -239,6 +164,9 @@ class QuantizedWeight(qax.ImplicitArray):
         ((3, 4, 2), 2)
     """
 
+    # Public as `qax.quant.X`: the name checkpoints and `jax.export` record.
+    __module__ = "qax.quant"
+
     _ARRAYS: ClassVar[tuple[str, ...]] = ()
     # What `vmap`/`lax.scan` warnings tell a user whose weight lacks a batch axis.
     batch_axes_advice = (
@@ -320,6 +248,8 @@ class Int8Weight(QuantizedWeight):
       scale: the per-channel scales (the dtype the weight decodes to).
     """
 
+    __module__ = "qax.quant"
+
     q: qax.ArrayValue = qax.array_field(ndim="weight_ndim", stored=True)
     scale: qax.ArrayValue = qax.array_field(ndim="weight_ndim", stored=True)
 
@@ -366,6 +296,8 @@ class Int8Weight(QuantizedWeight):
 class _PackedFourBits(QuantizedWeight):
     """4-bit codes packed two per byte along the last axis (`Int4Weight`, `NF4Weight`)."""
 
+    __module__ = "qax.quant"
+
     def compute_shape(self) -> tuple[int, ...]:
         return (*self.packed.shape[:-1], 2 * self.packed.shape[-1])
 
@@ -385,6 +317,8 @@ class Int4Weight(_PackedFourBits):
       scale: ``(*lead, n // group_size)`` floating-point scales.
       group_size: numbers per scale.
     """
+
+    __module__ = "qax.quant"
 
     packed: qax.ArrayValue = qax.array_field(ndim="weight_ndim", stored=True)
     scale: qax.ArrayValue = qax.array_field(ndim="weight_ndim", stored=True)
@@ -428,6 +362,8 @@ class NF4Weight(_PackedFourBits):
       absmax: ``(*lead, n // block_size)`` floating-point block scales.
       block_size: numbers per block (64, as in QLoRA).
     """
+
+    __module__ = "qax.quant"
 
     packed: qax.ArrayValue = qax.array_field(ndim="weight_ndim", stored=True)
     absmax: qax.ArrayValue = qax.array_field(ndim="weight_ndim", stored=True)
@@ -484,6 +420,8 @@ class FP8Weight(QuantizedWeight):
       scale: the scales (the dtype the weight decodes to).
       block_size: numbers per scale along the last axis, or ``None``: per channel.
     """
+
+    __module__ = "qax.quant"
 
     q: qax.ArrayValue = qax.array_field(ndim="weight_ndim", stored=True)
     scale: qax.ArrayValue = qax.array_field(ndim="weight_ndim", stored=True)
@@ -590,6 +528,8 @@ class IntKWeight(QuantizedWeight):
       group_size: numbers per scale.
     """
 
+    __module__ = "qax.quant"
+
     packed: qax.ArrayValue = qax.array_field(ndim="weight_ndim", stored=True)
     scale: qax.ArrayValue = qax.array_field(ndim="weight_ndim", stored=True)
     bits: int = qax.aux_field()
@@ -683,7 +623,9 @@ def _signed_codes(blocks: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
 def _check_bits(bits: Any) -> None:
     ok = isinstance(bits, (int, np.integer)) and not isinstance(bits, bool)
     if not (ok and 2 <= bits <= 8):
-        raise ValueError(_BAD_BITS.format(bits=bits, names=", ".join(FORMATS)))
+        raise ValueError(
+            _BAD_BITS.format(bits=bits, names=", ".join(qax.quant.FORMATS))
+        )
 
 
 def _check_last_axis(
@@ -743,450 +685,3 @@ def _nf4(blocks: jax.Array, absmax: jax.Array) -> tuple[jax.Array, jax.Array]:
     midpoints = (NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2
     codes = jnp.searchsorted(jnp.asarray(midpoints), normalized, method="compare_all")
     return codes, safe
-
-
-# ----------------------------------------------------------------------------------------
-# Handlers
-
-
-@qax.primitive_handler(["dot_general", "conv_general_dilated"])
-def _product_x_w(primitive, x: jax.Array, w: QuantizedWeight, **params) -> jax.Array:
-    if primitive is lax.dot_general_p:
-        out = _narrow_product(primitive, x, w, params, weight_side=1)
-        if out is not None:
-            return out
-    return primitive.bind(x, w.dequantize(), **params)
-
-
-@qax.primitive_handler("dot_general")
-def _product_w_x(primitive, w: QuantizedWeight, x: jax.Array, **params) -> jax.Array:
-    out = _narrow_product(primitive, w, x, params, weight_side=0)
-    if out is not None:
-        return out
-    return primitive.bind(w.dequantize(), x, **params)
-
-
-def _per_channel(w: QuantizedWeight) -> bool:
-    """Codes of the weight's shape whose scales broadcast against them."""
-    if isinstance(w, FP8Weight):
-        if w.block_size is not None:
-            return False
-    elif not isinstance(w, Int8Weight):
-        return False
-    return jnp.ndim(w.q) == jnp.ndim(w.scale) == w.ndim
-
-
-def _narrow_product(
-    primitive, lhs: Any, rhs: Any, params: dict, weight_side: int
-) -> jax.Array | None:
-    """``dot_general`` on the codes of a per-channel weight, the scales applied to its
-    output; ``None`` where that does not apply (scales along a contracted axis, codes
-    of a block format, a non-floating product).
-
-    The product keeps the dtype of the dense one (``preferred_element_type``: its
-    result dtype), so a bf16 model multiplies bf16 by int8 / fp8.
-    """
-    w, x = (lhs, rhs) if weight_side == 0 else (rhs, lhs)
-    if not (_per_channel(w) and jnp.issubdtype(x.dtype, jnp.floating)):
-        return None
-    contracting, batch = (tuple(d[weight_side]) for d in params["dimension_numbers"])
-    if any(w.scale.shape[a] != 1 for a in contracting):
-        return None
-    dense = jax.eval_shape(
-        lambda a, b: primitive.bind(a, b, **params),
-        *(jax.ShapeDtypeStruct(jnp.shape(a), a.dtype) for a in (lhs, rhs)),
-    )
-    if not jnp.issubdtype(dense.dtype, jnp.floating):
-        return None
-    codes = lax.stop_gradient(w.q)  # fixed, as in `dequantize`
-    operands = (codes, x) if weight_side == 0 else (x, codes)
-    out = primitive.bind(*operands, **{**params, "preferred_element_type": dense.dtype})
-    # The output's axes: the batch axes, the lhs's free axes, then the rhs's.
-    free = [a for a in range(w.ndim) if a not in contracting and a not in batch]
-    scale = lax.transpose(w.scale, (*batch, *free, *contracting))
-    scale = scale.reshape(scale.shape[: len(batch) + len(free)])
-    x_free = x.ndim - len(batch) - len(contracting)
-    start = len(batch) + (0 if weight_side == 0 else x_free)
-    dims = (*range(len(batch)), *range(start, start + len(free)))
-    return out * lax.broadcast_in_dim(scale.astype(out.dtype), out.shape, dims)
-
-
-@qax.primitive_handler(["add", "sub"])
-def _elementwise(primitive, w: QuantizedWeight, x: jax.Array) -> jax.Array:
-    return primitive.bind(w.dequantize(), x)
-
-
-@qax.primitive_handler("sub")
-def _elementwise_right(primitive, x: jax.Array, w: QuantizedWeight) -> jax.Array:
-    return primitive.bind(x, w.dequantize())
-
-
-@qax.primitive_handler("gather")
-def _gather_rows(
-    primitive, w: QuantizedWeight, indices: jax.Array, *, dimension_numbers, **params
-) -> jax.Array:
-    """Gather the codes and scales of the rows, then decode only those rows.
-
-    Applies when the lookup indexes leading axes and keeps the last axis whole, at the
-    end of the result (``table[ids]``); otherwise the whole weight is decoded first.
-    """
-    dn, sizes = dimension_numbers, tuple(params.pop("slice_sizes"))
-    indexed = (*dn.collapsed_slice_dims, *dn.start_index_map, *dn.operand_batching_dims)
-    out_ndim = indices.ndim - 1 + len(dn.offset_dims)
-    last = w.ndim - 1
-    if (
-        w.ndim < 2
-        or last in indexed
-        or sizes[-1] != w.shape[-1]
-        or dn.offset_dims[-1:] != (out_ndim - 1,)
-    ):
-        return primitive.bind(
-            w.dequantize(), indices, dimension_numbers=dn, slice_sizes=sizes, **params
-        )
-    changes = {}
-    for field in dataclasses.fields(w):
-        leaf = getattr(w, field.name)
-        if not isinstance(leaf, jax.Array) or leaf.ndim != w.ndim:
-            continue
-        if tuple(leaf.shape[:-1]) == tuple(w.shape[:-1]):
-            changes[field.name] = primitive.bind(
-                leaf,
-                indices,
-                dimension_numbers=dn,
-                slice_sizes=(*sizes[:-1], leaf.shape[-1]),
-                **params,
-            )
-        elif any(d != 1 for d in leaf.shape[:-1]):  # a scale per row of another axis
-            return primitive.bind(
-                w.dequantize(),
-                indices,
-                dimension_numbers=dn,
-                slice_sizes=sizes,
-                **params,
-            )
-    return w._decode(**{n: changes.get(n, getattr(w, n)) for n in w._ARRAYS})
-
-
-@qax.primitive_handler("convert_element_type")
-def _convert(primitive, w: QuantizedWeight, *, new_dtype, **params) -> Any:
-    """Decode to another floating dtype: the codes stay, the scales are cast."""
-    if not jnp.issubdtype(new_dtype, jnp.floating):
-        return NotImplemented
-    name = w._scale_field()
-    return w._rescaled(**{name: getattr(w, name).astype(new_dtype)})
-
-
-@qax.primitive_handler("mul")
-def _mul_scalar(primitive, w: QuantizedWeight, c: jax.Array) -> Any:
-    if jnp.ndim(c) != 0:
-        return NotImplemented
-    name = w._scale_field()
-    scale = getattr(w, name)
-    return w._rescaled(**{name: scale * c.astype(scale.dtype)})
-
-
-@qax.primitive_handler("stop_gradient")
-def _stop_gradient(primitive, w: QuantizedWeight) -> Any:
-    name = w._scale_field()
-    return w._rescaled(**{name: lax.stop_gradient(getattr(w, name))})
-
-
-@qax.primitive_handler(["transpose", "broadcast_in_dim", "reshape"])
-def _decode_then(primitive, w: QuantizedWeight, **params) -> jax.Array:
-    """Ops that move elements: decode, then run them (inside the handler)."""
-    return primitive.bind(w.dequantize(), **params)
-
-
-@qax.primitive_handler("transpose")
-def _transpose_int8(primitive, w: Int8Weight, *, permutation) -> Any:
-    """Per-channel int8 transposes exactly: codes and (broadcastable) scales."""
-    return _transpose_per_channel(primitive, w, permutation)
-
-
-@qax.primitive_handler("transpose")
-def _transpose_fp8(primitive, w: FP8Weight, *, permutation) -> Any:
-    """Per-channel fp8 likewise; block-wise fp8 decodes first."""
-    return _transpose_per_channel(primitive, w, permutation)
-
-
-def _transpose_per_channel(primitive, w: QuantizedWeight, permutation) -> Any:
-    if not _per_channel(w):
-        return primitive.bind(w.dequantize(), permutation=permutation)
-    return dataclasses.replace(
-        w,
-        q=lax.transpose(w.q, permutation),
-        scale=lax.transpose(w.scale, permutation),
-        shape=None,
-        dtype=None,
-        weight_ndim=None,
-    )
-
-
-# ----------------------------------------------------------------------------------------
-# Parameter trees
-
-_FORMATS: dict[str, tuple[type, dict[str, Any]]] = {
-    "int8": (Int8Weight, {}),
-    "int4": (Int4Weight, {}),
-    "nf4": (NF4Weight, {}),
-    "fp8_e4m3": (FP8Weight, {"fp8_dtype": jnp.float8_e4m3fn}),
-    "fp8_e5m2": (FP8Weight, {"fp8_dtype": jnp.float8_e5m2}),
-    **{f"int{k}": (IntKWeight, {"bits": k}) for k in (2, 3, 5, 6, 7)},
-}
-
-FORMATS: tuple[str, ...] = tuple(_FORMATS)
-"""The format names `quantize` and `quantize_dequantize` take: ``"int8"``, ``"int4"``,
-``"nf4"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"int2"``, ``"int3"``, ``"int5"``,
-``"int6"``, ``"int7"`` (see the module's notes)."""
-
-_OPTIONS = ("axis", "group_size", "block_size", "batch_ndim", "bits", "fp8_dtype")
-
-
-def _block_size(options: dict) -> int:
-    return options.get("block_size", options.get("group_size", 64))
-
-
-def _skip_size(cls: type, options: dict) -> Any:
-    """The block size that a weight's last axis must be a multiple of."""
-    if issubclass(cls, FP8Weight):
-        return options.get("block_size")
-    if issubclass(cls, IntKWeight):
-        return options.get("group_size", 64)
-    return _block_size(options)
-
-
-def _fits(cls: type, leaf: Any, options: dict) -> bool:
-    if cls is Int8Weight:
-        return True
-    size = _skip_size(cls, options)
-    if issubclass(cls, (FP8Weight, IntKWeight)):  # a bad size is from_array's error
-        return size is None or not isinstance(size, int) or leaf.shape[-1] % size == 0
-    return size % 2 == 0 and leaf.shape[-1] % size == 0
-
-
-def quantize(
-    params: Any,
-    fmt: str | type = "nf4",
-    *,
-    filter: Any = None,
-    rules: Any = None,
-    **options: Any,
-) -> Any:
-    """Replace chosen weights of a params pytree by quantized weights.
-
-    Examples:
-        >>> small = qax.quant.quantize(params, "nf4", block_size=64)
-        >>> qax.use_implicit_args(model.apply)({"params": small}, x)
-        >>> fp8 = qax.quant.quantize(params, "fp8_e4m3")          # per channel
-        >>> int3 = qax.quant.quantize(params, "int3", group_size=32)
-        >>> int8g = qax.quant.quantize(params, qax.quant.IntKWeight, bits=8)
-
-    Args:
-      params: any pytree (Flax linen dict, NNX state, Equinox module, ...).
-      fmt: a name in `FORMATS` (``"int8"``, ``"int4"``, ``"nf4"``, ``"fp8_e4m3"``,
-        ``"fp8_e5m2"``, ``"int2"``, ``"int3"``, ``"int5"``, ``"int6"``, ``"int7"``), or
-        one of the classes (`IntKWeight` with ``bits=``: any of 2 to 8 bits,
-        group-wise).
-      filter: ``filter(path, leaf) -> bool`` (``path`` as in `qax.lora.loraify`).
-        Default: `qax.lora.default_filter` (every 2-D+ weight but embeddings, norms and
-        biases), skipping weights whose last axis is not a multiple of the block size
-        (the group size of the integer formats), with a warning that names them.
-      rules: per-path settings, like qwix's rules: an ordered list of ``(pattern,
-        settings)``. The first pattern (a regular expression) that matches all of a
-        weight's path decides for it: ``settings`` is a dict with a ``"format"`` and
-        options overriding this call's (``axis``, ``group_size``, ``block_size``,
-        ``batch_ndim``, ``bits``, ``fp8_dtype``), the weight then chosen whatever
-        ``filter`` says; or ``None``, to keep it dense. Weights no pattern matches
-        follow ``filter``, ``fmt`` and ``options``. E.g. ``rules=[(".*/attn/.*",
-        {"format": "int8"}), (".*/head/.*", None)]``. A rule that picks another
-        format than the call's takes, of the call's options, ``batch_ndim``, ``axis``
-        (int8, fp8) and the block size (``block_size`` or ``group_size``, under the
-        name the format uses; not int8).
-      **options: passed to ``from_array``: ``axis`` (int8 and per-channel fp8: an axis
-        or a tuple of axes that keep their own scales), ``group_size`` (int4,
-        int2...int7 and `IntKWeight`), ``block_size`` (nf4; fp8: block-wise scales
-        instead of per-channel), ``bits`` (`IntKWeight`), ``fp8_dtype`` (`FP8Weight`),
-        ``batch_ndim`` (stacked layers; an int or a function of ``(path, leaf)``).
-
-    Returns:
-      ``params`` with quantized weights. Weights trained with quantization-aware
-      training (`qax.qat.FakeQuant`, also as the base of a `qax.lora.LoraWeight`)
-      become exactly the quantized weights they were trained against, in their own
-      format and options, whatever ``fmt`` says; other implicit arrays are kept.
-
-    Raises:
-      ValueError: an unknown format, an option that contradicts the format's name
-        (``"int3"`` with ``bits=5``), `IntKWeight` without ``bits``, or a weight chosen
-        by ``filter`` that the format cannot hold.
-    """
-    cls, preset = _format(fmt)
-    options = _with_preset(fmt, preset, options)
-    _check_options(cls, options)
-    lookup = qax.utils.path_rules(rules, ("format", *_OPTIONS), "quantize")
-    skipped = []  # chosen by the default filter, but the format cannot hold them
-
-    def choose(path: str, leaf: Any) -> bool:
-        if filter is not None:
-            return filter(path, leaf)
-        if not default_filter(path, leaf):
-            return False
-        if not _fits(cls, leaf, options):
-            skipped.append(f"{path} {tuple(leaf.shape)}")
-            return False
-        return True
-
-    def convert(path, leaf):
-        if isinstance(leaf, qax.ImplicitArray):
-            # A `qax.qat.FakeQuant` (also as a LoRA base) becomes the codes it was
-            # trained against, in its own format; other implicit arrays stay.
-            return qax.qat.convert(leaf)
-        if not hasattr(leaf, "shape"):
-            return leaf
-        name = qax.utils.path_string(path)
-        matched, settings = lookup(name)
-        if matched and settings is None:
-            return leaf
-        if not matched and not choose(name, leaf):
-            return leaf
-        kind, kwargs = cls, dict(options)
-        if settings:
-            settings = dict(settings)
-            rule_fmt = settings.pop("format", fmt)
-            kind, rule_preset = _format(rule_fmt)
-            if kind is not cls:  # the call's options that this format takes
-                kwargs = _options_for(kind, options)
-            kwargs.update(_with_preset(rule_fmt, rule_preset, settings))
-            _check_options(kind, kwargs)
-        if callable(kwargs.get("batch_ndim")):
-            kwargs["batch_ndim"] = kwargs["batch_ndim"](name, leaf)
-        return kind.from_array(leaf, **kwargs)
-
-    out = qax.utils.tree_map_with_path_with_implicit(convert, params)
-    if skipped:
-        warnings.warn(
-            f"quantize(..., {cls.__name__}) kept {len(skipped)} weight(s) unquantized: "
-            "their last axis is not a multiple of the block size "
-            f"{_skip_size(cls, options)}: {', '.join(skipped)}. Pass a block size that "
-            "divides it (block_size= for nf4 and fp8, group_size= for int4 and "
-            "int2...int7), or a `filter` that leaves them out.",
-            stacklevel=2,
-        )
-    return out
-
-
-def quantize_dequantize(
-    x: jax.Array, fmt: str | type = "nf4", **options: Any
-) -> jax.Array:
-    """The array that ``x`` quantized in a format decodes to (quantize, then decode).
-
-    A pure function of ``x``, differentiable as its operations are (rounding has a zero
-    derivative almost everywhere). For quantization-aware training, with
-    straight-through gradients, use `qax.qat.FakeQuant` / `qax.qat.fake_quantize`.
-
-    Examples:
-        >>> w = jax.random.normal(jax.random.key(0), (64, 128))
-        >>> err = qax.quant.quantize_dequantize(w, "int3", group_size=32) - w
-
-    Args:
-      x: a floating-point array, quantized as one weight (``batch_ndim=`` for stacked
-        ones).
-      fmt: a format name in `FORMATS` or a `QuantizedWeight` class, as in `quantize`.
-      **options: the format's ``from_array`` options (``axis``, ``group_size``,
-        ``block_size``, ``bits``, ``fp8_dtype``, ``batch_ndim``).
-
-    Returns:
-      An array of ``x``'s shape and dtype.
-
-    Raises:
-      ValueError: as `quantize`, or the format cannot hold ``x``'s shape.
-    """
-    cls, preset = _format(fmt)
-    options = _with_preset(fmt, preset, options)
-    _check_options(cls, options)
-    return cls.from_array(x, **options).dequantize()
-
-
-def _with_preset(fmt: Any, preset: dict, options: dict) -> dict:
-    """``options`` with what the format's name fixes (``"int3"``: ``bits=3``)."""
-    for key, value in preset.items():
-        given = options.get(key, value)
-        if not _same(key, given, value):
-            raise ValueError(
-                f"quantize: format {fmt!r} means {key}={_show(value)}, but {key}="
-                f"{given!r} was given. Name the format that has it, or pass the class "
-                f"with the option: qax.quant.{_FORMATS[fmt][0].__name__} with "
-                f"{key}={given!r}."
-            )
-    return {**options, **preset}
-
-
-def _same(key: str, a: Any, b: Any) -> bool:
-    if key != "fp8_dtype":
-        return a == b
-    try:
-        return jnp.dtype(a) == jnp.dtype(b)
-    except TypeError:
-        return False
-
-
-def _show(value: Any) -> str:
-    return jnp.dtype(value).name if isinstance(value, type) else repr(value)
-
-
-def _check_options(cls: type, options: dict) -> None:
-    if issubclass(cls, IntKWeight) and "bits" not in options:
-        raise ValueError(
-            "quantize: IntKWeight needs bits= (2 to 8), e.g. quantize(params, "
-            "qax.quant.IntKWeight, bits=8) for group-wise int8; or a format name: "
-            f"{', '.join(FORMATS)}."
-        )
-
-
-def _options_for(cls: type, options: dict) -> dict:
-    """The options of `quantize`'s call that `cls.from_array` takes, for a rule that
-    picks another format than the call's: ``batch_ndim``; ``axis`` for int8 and fp8;
-    the block size (``block_size`` or ``group_size``) under the name the format uses
-    (not for int8)."""
-    if cls not in {kind for kind, _ in _FORMATS.values()}:
-        return dict(options)
-    out = {"batch_ndim": options["batch_ndim"]} if "batch_ndim" in options else {}
-    if cls in (Int8Weight, FP8Weight) and "axis" in options:
-        out["axis"] = options["axis"]
-    if cls is not Int8Weight and ("block_size" in options or "group_size" in options):
-        name = "group_size" if cls in (Int4Weight, IntKWeight) else "block_size"
-        out[name] = _block_size(options)
-    return out
-
-
-def _format(fmt: Any) -> tuple[type, dict[str, Any]]:
-    """The class of a format (a name or a class) and the options its name fixes."""
-    if isinstance(fmt, str) and fmt in _FORMATS:
-        return _FORMATS[fmt]
-    if isinstance(fmt, type) and issubclass(fmt, QuantizedWeight):
-        return fmt, {}
-    raise ValueError(
-        f"quantize: unknown format {fmt!r}; use one of {', '.join(FORMATS)}, or a "
-        "QuantizedWeight subclass (qax.quant.IntKWeight with bits= for any of 2 to 8 "
-        "bits)."
-    )
-
-
-def dequantize(params: Any) -> Any:
-    """Replace every quantized weight by the dense weight it decodes to.
-
-    Examples:
-        >>> dense = qax.quant.dequantize(qax.quant.quantize(params, "int8"))
-
-    Args:
-      params: a pytree holding quantized weights (also inside `qax.lora.LoraWeight`).
-
-    Returns:
-      The tree with plain arrays in their place.
-    """
-
-    def is_q(x: Any) -> bool:
-        return isinstance(x, QuantizedWeight)
-
-    return jax.tree_util.tree_map(
-        lambda x: x.dequantize() if is_q(x) else x, params, is_leaf=is_q
-    )

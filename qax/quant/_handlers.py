@@ -1,0 +1,197 @@
+"""The handlers of the quantized weight types (see `qax.quant`).
+
+This module uses qax's public API only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import qax
+
+from ._types import (
+    FP8Weight,
+    Int8Weight,
+    QuantizedWeight,
+)
+
+# ----------------------------------------------------------------------------------------
+# Handlers
+
+
+@qax.primitive_handler(["dot_general", "conv_general_dilated"])
+def _product_x_w(primitive, x: jax.Array, w: QuantizedWeight, **params) -> jax.Array:
+    if primitive is lax.dot_general_p:
+        out = _narrow_product(primitive, x, w, params, weight_side=1)
+        if out is not None:
+            return out
+    return primitive.bind(x, w.dequantize(), **params)
+
+
+@qax.primitive_handler("dot_general")
+def _product_w_x(primitive, w: QuantizedWeight, x: jax.Array, **params) -> jax.Array:
+    out = _narrow_product(primitive, w, x, params, weight_side=0)
+    if out is not None:
+        return out
+    return primitive.bind(w.dequantize(), x, **params)
+
+
+def _per_channel(w: QuantizedWeight) -> bool:
+    """Codes of the weight's shape whose scales broadcast against them."""
+    if isinstance(w, FP8Weight):
+        if w.block_size is not None:
+            return False
+    elif not isinstance(w, Int8Weight):
+        return False
+    return jnp.ndim(w.q) == jnp.ndim(w.scale) == w.ndim
+
+
+def _narrow_product(
+    primitive, lhs: Any, rhs: Any, params: dict, weight_side: int
+) -> jax.Array | None:
+    """``dot_general`` on the codes of a per-channel weight, the scales applied to its
+    output; ``None`` where that does not apply (scales along a contracted axis, codes
+    of a block format, a non-floating product).
+
+    The product keeps the dtype of the dense one (``preferred_element_type``: its
+    result dtype), so a bf16 model multiplies bf16 by int8 / fp8.
+    """
+    w, x = (lhs, rhs) if weight_side == 0 else (rhs, lhs)
+    if not (_per_channel(w) and jnp.issubdtype(x.dtype, jnp.floating)):
+        return None
+    contracting, batch = (tuple(d[weight_side]) for d in params["dimension_numbers"])
+    if any(w.scale.shape[a] != 1 for a in contracting):
+        return None
+    dense = jax.eval_shape(
+        lambda a, b: primitive.bind(a, b, **params),
+        *(jax.ShapeDtypeStruct(jnp.shape(a), a.dtype) for a in (lhs, rhs)),
+    )
+    if not jnp.issubdtype(dense.dtype, jnp.floating):
+        return None
+    codes = lax.stop_gradient(w.q)  # fixed, as in `dequantize`
+    operands = (codes, x) if weight_side == 0 else (x, codes)
+    out = primitive.bind(*operands, **{**params, "preferred_element_type": dense.dtype})
+    # The output's axes: the batch axes, the lhs's free axes, then the rhs's.
+    free = [a for a in range(w.ndim) if a not in contracting and a not in batch]
+    scale = lax.transpose(w.scale, (*batch, *free, *contracting))
+    scale = scale.reshape(scale.shape[: len(batch) + len(free)])
+    x_free = x.ndim - len(batch) - len(contracting)
+    start = len(batch) + (0 if weight_side == 0 else x_free)
+    dims = (*range(len(batch)), *range(start, start + len(free)))
+    return out * lax.broadcast_in_dim(scale.astype(out.dtype), out.shape, dims)
+
+
+@qax.primitive_handler(["add", "sub"])
+def _elementwise(primitive, w: QuantizedWeight, x: jax.Array) -> jax.Array:
+    return primitive.bind(w.dequantize(), x)
+
+
+@qax.primitive_handler("sub")
+def _elementwise_right(primitive, x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    return primitive.bind(x, w.dequantize())
+
+
+@qax.primitive_handler("gather")
+def _gather_rows(
+    primitive, w: QuantizedWeight, indices: jax.Array, *, dimension_numbers, **params
+) -> jax.Array:
+    """Gather the codes and scales of the rows, then decode only those rows.
+
+    Applies when the lookup indexes leading axes and keeps the last axis whole, at the
+    end of the result (``table[ids]``); otherwise the whole weight is decoded first.
+    """
+    dn, sizes = dimension_numbers, tuple(params.pop("slice_sizes"))
+    indexed = (*dn.collapsed_slice_dims, *dn.start_index_map, *dn.operand_batching_dims)
+    out_ndim = indices.ndim - 1 + len(dn.offset_dims)
+    last = w.ndim - 1
+    if (
+        w.ndim < 2
+        or last in indexed
+        or sizes[-1] != w.shape[-1]
+        or dn.offset_dims[-1:] != (out_ndim - 1,)
+    ):
+        return primitive.bind(
+            w.dequantize(), indices, dimension_numbers=dn, slice_sizes=sizes, **params
+        )
+    changes = {}
+    for field in dataclasses.fields(w):
+        leaf = getattr(w, field.name)
+        if not isinstance(leaf, jax.Array) or leaf.ndim != w.ndim:
+            continue
+        if tuple(leaf.shape[:-1]) == tuple(w.shape[:-1]):
+            changes[field.name] = primitive.bind(
+                leaf,
+                indices,
+                dimension_numbers=dn,
+                slice_sizes=(*sizes[:-1], leaf.shape[-1]),
+                **params,
+            )
+        elif any(d != 1 for d in leaf.shape[:-1]):  # a scale per row of another axis
+            return primitive.bind(
+                w.dequantize(),
+                indices,
+                dimension_numbers=dn,
+                slice_sizes=sizes,
+                **params,
+            )
+    return w._decode(**{n: changes.get(n, getattr(w, n)) for n in w._ARRAYS})
+
+
+@qax.primitive_handler("convert_element_type")
+def _convert(primitive, w: QuantizedWeight, *, new_dtype, **params) -> Any:
+    """Decode to another floating dtype: the codes stay, the scales are cast."""
+    if not jnp.issubdtype(new_dtype, jnp.floating):
+        return NotImplemented
+    name = w._scale_field()
+    return w._rescaled(**{name: getattr(w, name).astype(new_dtype)})
+
+
+@qax.primitive_handler("mul")
+def _mul_scalar(primitive, w: QuantizedWeight, c: jax.Array) -> Any:
+    if jnp.ndim(c) != 0:
+        return NotImplemented
+    name = w._scale_field()
+    scale = getattr(w, name)
+    return w._rescaled(**{name: scale * c.astype(scale.dtype)})
+
+
+@qax.primitive_handler("stop_gradient")
+def _stop_gradient(primitive, w: QuantizedWeight) -> Any:
+    name = w._scale_field()
+    return w._rescaled(**{name: lax.stop_gradient(getattr(w, name))})
+
+
+@qax.primitive_handler(["transpose", "broadcast_in_dim", "reshape"])
+def _decode_then(primitive, w: QuantizedWeight, **params) -> jax.Array:
+    """Ops that move elements: decode, then run them (inside the handler)."""
+    return primitive.bind(w.dequantize(), **params)
+
+
+@qax.primitive_handler("transpose")
+def _transpose_int8(primitive, w: Int8Weight, *, permutation) -> Any:
+    """Per-channel int8 transposes exactly: codes and (broadcastable) scales."""
+    return _transpose_per_channel(primitive, w, permutation)
+
+
+@qax.primitive_handler("transpose")
+def _transpose_fp8(primitive, w: FP8Weight, *, permutation) -> Any:
+    """Per-channel fp8 likewise; block-wise fp8 decodes first."""
+    return _transpose_per_channel(primitive, w, permutation)
+
+
+def _transpose_per_channel(primitive, w: QuantizedWeight, permutation) -> Any:
+    if not _per_channel(w):
+        return primitive.bind(w.dequantize(), permutation=permutation)
+    return dataclasses.replace(
+        w,
+        q=lax.transpose(w.q, permutation),
+        scale=lax.transpose(w.scale, permutation),
+        shape=None,
+        dtype=None,
+        weight_ndim=None,
+    )

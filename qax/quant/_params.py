@@ -1,0 +1,294 @@
+"""Quantizing parameter trees: `quantize`, `dequantize`, `quantize_dequantize` (see
+`qax.quant`).
+
+This module uses qax's public API only.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import qax
+from qax.lora import default_filter
+
+from ._types import (
+    FP8Weight,
+    Int4Weight,
+    Int8Weight,
+    IntKWeight,
+    NF4Weight,
+    QuantizedWeight,
+)
+
+# ----------------------------------------------------------------------------------------
+# Parameter trees
+
+_FORMATS: dict[str, tuple[type, dict[str, Any]]] = {
+    "int8": (Int8Weight, {}),
+    "int4": (Int4Weight, {}),
+    "nf4": (NF4Weight, {}),
+    "fp8_e4m3": (FP8Weight, {"fp8_dtype": jnp.float8_e4m3fn}),
+    "fp8_e5m2": (FP8Weight, {"fp8_dtype": jnp.float8_e5m2}),
+    **{f"int{k}": (IntKWeight, {"bits": k}) for k in (2, 3, 5, 6, 7)},
+}
+
+FORMATS: tuple[str, ...] = tuple(_FORMATS)
+"""The format names `quantize` and `quantize_dequantize` take: ``"int8"``, ``"int4"``,
+``"nf4"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"int2"``, ``"int3"``, ``"int5"``,
+``"int6"``, ``"int7"`` (see the module's notes)."""
+
+_OPTIONS = ("axis", "group_size", "block_size", "batch_ndim", "bits", "fp8_dtype")
+
+
+def _block_size(options: dict) -> int:
+    return options.get("block_size", options.get("group_size", 64))
+
+
+def _skip_size(cls: type, options: dict) -> Any:
+    """The block size that a weight's last axis must be a multiple of."""
+    if issubclass(cls, FP8Weight):
+        return options.get("block_size")
+    if issubclass(cls, IntKWeight):
+        return options.get("group_size", 64)
+    return _block_size(options)
+
+
+def _fits(cls: type, leaf: Any, options: dict) -> bool:
+    if cls is Int8Weight:
+        return True
+    size = _skip_size(cls, options)
+    if issubclass(cls, (FP8Weight, IntKWeight)):  # a bad size is from_array's error
+        return size is None or not isinstance(size, int) or leaf.shape[-1] % size == 0
+    return size % 2 == 0 and leaf.shape[-1] % size == 0
+
+
+def quantize(
+    params: Any,
+    fmt: str | type = "nf4",
+    *,
+    filter: Any = None,
+    rules: Any = None,
+    **options: Any,
+) -> Any:
+    """Replace chosen weights of a params pytree by quantized weights.
+
+    Examples:
+        >>> small = qax.quant.quantize(params, "nf4", block_size=64)
+        >>> qax.use_implicit_args(model.apply)({"params": small}, x)
+        >>> fp8 = qax.quant.quantize(params, "fp8_e4m3")          # per channel
+        >>> int3 = qax.quant.quantize(params, "int3", group_size=32)
+        >>> int8g = qax.quant.quantize(params, qax.quant.IntKWeight, bits=8)
+
+    Args:
+      params: any pytree (Flax linen dict, NNX state, Equinox module, ...).
+      fmt: a name in `FORMATS` (``"int8"``, ``"int4"``, ``"nf4"``, ``"fp8_e4m3"``,
+        ``"fp8_e5m2"``, ``"int2"``, ``"int3"``, ``"int5"``, ``"int6"``, ``"int7"``), or
+        one of the classes (`IntKWeight` with ``bits=``: any of 2 to 8 bits,
+        group-wise).
+      filter: ``filter(path, leaf) -> bool`` (``path`` as in `qax.lora.loraify`).
+        Default: `qax.lora.default_filter` (every 2-D+ weight but embeddings, norms and
+        biases), skipping weights whose last axis is not a multiple of the block size
+        (the group size of the integer formats), with a warning that names them.
+      rules: per-path settings, like qwix's rules: an ordered list of ``(pattern,
+        settings)``. The first pattern (a regular expression) that matches all of a
+        weight's path decides for it: ``settings`` is a dict with a ``"format"`` and
+        options overriding this call's (``axis``, ``group_size``, ``block_size``,
+        ``batch_ndim``, ``bits``, ``fp8_dtype``), the weight then chosen whatever
+        ``filter`` says; or ``None``, to keep it dense. Weights no pattern matches
+        follow ``filter``, ``fmt`` and ``options``. E.g. ``rules=[(".*/attn/.*",
+        {"format": "int8"}), (".*/head/.*", None)]``. A rule that picks another
+        format than the call's takes, of the call's options, ``batch_ndim``, ``axis``
+        (int8, fp8) and the block size (``block_size`` or ``group_size``, under the
+        name the format uses; not int8).
+      **options: passed to ``from_array``: ``axis`` (int8 and per-channel fp8: an axis
+        or a tuple of axes that keep their own scales), ``group_size`` (int4,
+        int2...int7 and `IntKWeight`), ``block_size`` (nf4; fp8: block-wise scales
+        instead of per-channel), ``bits`` (`IntKWeight`), ``fp8_dtype`` (`FP8Weight`),
+        ``batch_ndim`` (stacked layers; an int or a function of ``(path, leaf)``).
+
+    Returns:
+      ``params`` with quantized weights. Weights trained with quantization-aware
+      training (`qax.qat.FakeQuant`, also as the base of a `qax.lora.LoraWeight`)
+      become exactly the quantized weights they were trained against, in their own
+      format and options, whatever ``fmt`` says; other implicit arrays are kept.
+
+    Raises:
+      ValueError: an unknown format, an option that contradicts the format's name
+        (``"int3"`` with ``bits=5``), `IntKWeight` without ``bits``, or a weight chosen
+        by ``filter`` that the format cannot hold.
+    """
+    cls, preset = _format(fmt)
+    options = _with_preset(fmt, preset, options)
+    _check_options(cls, options)
+    lookup = qax.utils.path_rules(rules, ("format", *_OPTIONS), "quantize")
+    skipped = []  # chosen by the default filter, but the format cannot hold them
+
+    def choose(path: str, leaf: Any) -> bool:
+        if filter is not None:
+            return filter(path, leaf)
+        if not default_filter(path, leaf):
+            return False
+        if not _fits(cls, leaf, options):
+            skipped.append(f"{path} {tuple(leaf.shape)}")
+            return False
+        return True
+
+    def convert(path, leaf):
+        if isinstance(leaf, qax.ImplicitArray):
+            # A `qax.qat.FakeQuant` (also as a LoRA base) becomes the codes it was
+            # trained against, in its own format; other implicit arrays stay.
+            return qax.qat.convert(leaf)
+        if not hasattr(leaf, "shape"):
+            return leaf
+        name = qax.utils.path_string(path)
+        matched, settings = lookup(name)
+        if matched and settings is None:
+            return leaf
+        if not matched and not choose(name, leaf):
+            return leaf
+        kind, kwargs = cls, dict(options)
+        if settings:
+            settings = dict(settings)
+            rule_fmt = settings.pop("format", fmt)
+            kind, rule_preset = _format(rule_fmt)
+            if kind is not cls:  # the call's options that this format takes
+                kwargs = _options_for(kind, options)
+            kwargs.update(_with_preset(rule_fmt, rule_preset, settings))
+            _check_options(kind, kwargs)
+        if callable(kwargs.get("batch_ndim")):
+            kwargs["batch_ndim"] = kwargs["batch_ndim"](name, leaf)
+        return kind.from_array(leaf, **kwargs)
+
+    out = qax.utils.tree_map_with_path_with_implicit(convert, params)
+    if skipped:
+        warnings.warn(
+            f"quantize(..., {cls.__name__}) kept {len(skipped)} weight(s) unquantized: "
+            "their last axis is not a multiple of the block size "
+            f"{_skip_size(cls, options)}: {', '.join(skipped)}. Pass a block size that "
+            "divides it (block_size= for nf4 and fp8, group_size= for int4 and "
+            "int2...int7), or a `filter` that leaves them out.",
+            stacklevel=2,
+        )
+    return out
+
+
+def quantize_dequantize(
+    x: jax.Array, fmt: str | type = "nf4", **options: Any
+) -> jax.Array:
+    """The array that ``x`` quantized in a format decodes to (quantize, then decode).
+
+    A pure function of ``x``, differentiable as its operations are (rounding has a zero
+    derivative almost everywhere). For quantization-aware training, with
+    straight-through gradients, use `qax.qat.FakeQuant` / `qax.qat.fake_quantize`.
+
+    Examples:
+        >>> w = jax.random.normal(jax.random.key(0), (64, 128))
+        >>> err = qax.quant.quantize_dequantize(w, "int3", group_size=32) - w
+
+    Args:
+      x: a floating-point array, quantized as one weight (``batch_ndim=`` for stacked
+        ones).
+      fmt: a format name in `FORMATS` or a `QuantizedWeight` class, as in `quantize`.
+      **options: the format's ``from_array`` options (``axis``, ``group_size``,
+        ``block_size``, ``bits``, ``fp8_dtype``, ``batch_ndim``).
+
+    Returns:
+      An array of ``x``'s shape and dtype.
+
+    Raises:
+      ValueError: as `quantize`, or the format cannot hold ``x``'s shape.
+    """
+    cls, preset = _format(fmt)
+    options = _with_preset(fmt, preset, options)
+    _check_options(cls, options)
+    return cls.from_array(x, **options).dequantize()
+
+
+def _with_preset(fmt: Any, preset: dict, options: dict) -> dict:
+    """``options`` with what the format's name fixes (``"int3"``: ``bits=3``)."""
+    for key, value in preset.items():
+        given = options.get(key, value)
+        if not _same(key, given, value):
+            raise ValueError(
+                f"quantize: format {fmt!r} means {key}={_show(value)}, but {key}="
+                f"{given!r} was given. Name the format that has it, or pass the class "
+                f"with the option: qax.quant.{_FORMATS[fmt][0].__name__} with "
+                f"{key}={given!r}."
+            )
+    return {**options, **preset}
+
+
+def _same(key: str, a: Any, b: Any) -> bool:
+    if key != "fp8_dtype":
+        return a == b
+    try:
+        return jnp.dtype(a) == jnp.dtype(b)
+    except TypeError:
+        return False
+
+
+def _show(value: Any) -> str:
+    return jnp.dtype(value).name if isinstance(value, type) else repr(value)
+
+
+def _check_options(cls: type, options: dict) -> None:
+    if issubclass(cls, IntKWeight) and "bits" not in options:
+        raise ValueError(
+            "quantize: IntKWeight needs bits= (2 to 8), e.g. quantize(params, "
+            "qax.quant.IntKWeight, bits=8) for group-wise int8; or a format name: "
+            f"{', '.join(FORMATS)}."
+        )
+
+
+def _options_for(cls: type, options: dict) -> dict:
+    """The options of `quantize`'s call that `cls.from_array` takes, for a rule that
+    picks another format than the call's: ``batch_ndim``; ``axis`` for int8 and fp8;
+    the block size (``block_size`` or ``group_size``) under the name the format uses
+    (not for int8)."""
+    if cls not in {kind for kind, _ in _FORMATS.values()}:
+        return dict(options)
+    out = {"batch_ndim": options["batch_ndim"]} if "batch_ndim" in options else {}
+    if cls in (Int8Weight, FP8Weight) and "axis" in options:
+        out["axis"] = options["axis"]
+    if cls is not Int8Weight and ("block_size" in options or "group_size" in options):
+        name = "group_size" if cls in (Int4Weight, IntKWeight) else "block_size"
+        out[name] = _block_size(options)
+    return out
+
+
+def _format(fmt: Any) -> tuple[type, dict[str, Any]]:
+    """The class of a format (a name or a class) and the options its name fixes."""
+    if isinstance(fmt, str) and fmt in _FORMATS:
+        return _FORMATS[fmt]
+    if isinstance(fmt, type) and issubclass(fmt, QuantizedWeight):
+        return fmt, {}
+    raise ValueError(
+        f"quantize: unknown format {fmt!r}; use one of {', '.join(FORMATS)}, or a "
+        "QuantizedWeight subclass (qax.quant.IntKWeight with bits= for any of 2 to 8 "
+        "bits)."
+    )
+
+
+def dequantize(params: Any) -> Any:
+    """Replace every quantized weight by the dense weight it decodes to.
+
+    Examples:
+        >>> dense = qax.quant.dequantize(qax.quant.quantize(params, "int8"))
+
+    Args:
+      params: a pytree holding quantized weights (also inside `qax.lora.LoraWeight`).
+
+    Returns:
+      The tree with plain arrays in their place.
+    """
+
+    def is_q(x: Any) -> bool:
+        return isinstance(x, QuantizedWeight)
+
+    return jax.tree_util.tree_map(
+        lambda x: x.dequantize() if is_q(x) else x, params, is_leaf=is_q
+    )
