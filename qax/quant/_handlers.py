@@ -67,15 +67,13 @@ def _narrow_product(
     contracting, batch = (tuple(d[weight_side]) for d in params["dimension_numbers"])
     if any(w.scale.shape[a] != 1 for a in contracting):
         return None
-    dense = jax.eval_shape(
-        lambda a, b: primitive.bind(a, b, **params),
-        *(jax.ShapeDtypeStruct(jnp.shape(a), a.dtype) for a in (lhs, rhs)),
-    )
-    if not jnp.issubdtype(dense.dtype, jnp.floating):
+    # The dense product's dtype, by `dot_general`'s own rule (no second trace).
+    dtype = params.get("preferred_element_type") or jnp.result_type(x.dtype, w.dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
         return None
     codes = lax.stop_gradient(w.q)  # fixed, as in `dequantize`
     operands = (codes, x) if weight_side == 0 else (x, codes)
-    out = primitive.bind(*operands, **{**params, "preferred_element_type": dense.dtype})
+    out = primitive.bind(*operands, **{**params, "preferred_element_type": dtype})
     # The output's axes: the batch axes, the lhs's free axes, then the rhs's.
     free = [a for a in range(w.ndim) if a not in contracting and a not in batch]
     scale = lax.transpose(w.scale, (*batch, *free, *contracting))
