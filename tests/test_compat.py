@@ -67,13 +67,14 @@ def test_only_compat_touches_jax_internals():
 
 
 def test_builtin_types_use_no_private_jax_module():
-    """`qax.lora`, `qax.quant`, `qax.symbols` are the examples users copy."""
-    for path in (
-        PACKAGE / "quant.py",
-        PACKAGE / "symbols.py",
-        *PACKAGE.glob("lora/*.py"),
-    ):
-        assert _private_uses(path) == [], path.name
+    """`qax.lora`, `qax.quant`, `qax.qat`, `qax.symbols` are the examples users copy."""
+    paths = [PACKAGE / "symbols.py"]
+    for package in ("lora", "quant", "qat"):
+        found = sorted((PACKAGE / package).glob("*.py"))
+        assert found, f"qax/{package}/ has no modules: update this test's list"
+        paths += found
+    for path in paths:
+        assert _private_uses(path) == [], f"{path.parent.name}/{path.name}"
 
 
 def test_no_version_string_checks_outside_compat():
