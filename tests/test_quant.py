@@ -549,6 +549,14 @@ NEW = {
     **{f"int{k}": (IntKWeight, {"bits": k, "group_size": 16}) for k in (2, 3, 5, 6, 7)},
 }
 NEW_IDS = list(NEW)
+# Every format, the first three included, for the handler checks in both dtypes.
+EVERY = {
+    "int8": (Int8Weight, {}),
+    "int4": (Int4Weight, {"group_size": 16}),
+    "nf4": (NF4Weight, {"block_size": 16}),
+    **NEW,
+}
+EVERY_IDS = list(EVERY)
 DTYPES = [pytest.param(jnp.float32, id="f32"), pytest.param(jnp.bfloat16, id="bf16")]
 # bf16: the oracle decodes to bf16 and sums the scales' gradients (|code| * |x|, codes
 # up to 448 or 57344 for fp8) in bf16; the handler's sums round differently.
@@ -556,7 +564,7 @@ BF16_TOL = {"rtol": 5e-2, "atol": 5e-2}
 
 
 def make_new(name, w, **kw):
-    cls, options = NEW[name]
+    cls, options = EVERY[name]
     return cls.from_array(w, **options, **kw)
 
 
@@ -642,16 +650,16 @@ def test_intk_with_4_and_8_bits_and_fp8_storage():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name", NEW_IDS)
-def test_new_formats_dot_general_check_handler(name, dtype):
+@pytest.mark.parametrize("name", EVERY_IDS)
+def test_every_format_dot_general_check_handler(name, dtype):
     # check_handler: eager, jit, vmap and grad (every float leaf: x and the scales;
     # the fp8 codes get none, as in `dequantize`) against decode-then-product.
     q = make_new(name, normal((32, 16), dtype=dtype))
     x = normal((3, 32), 1, dtype)
-    if dtype == jnp.bfloat16 and name in ("fp8_e4m3", "fp8_e5m2"):
-        # Per-channel fp8 scales' gradients sum code * x * cotangent terms with codes
-        # up to 448 (57344 for e5m2); for a random x those sums cancel down to bf16
-        # noise on both sides (each off the float32 value by ~1% of the largest).
+    if dtype == jnp.bfloat16 and name in ("int8", "fp8_e4m3", "fp8_e5m2"):
+        # Per-channel scales' gradients sum code * x * cotangent terms with codes up
+        # to 127 (int8), 448 or 57344 (fp8); for a random x those sums cancel down to
+        # bf16 noise on both sides (each off the float32 value by ~1% of the largest).
         # Rows of x with one nonzero each make every output one code times x.
         x = (
             jnp.zeros_like(x)
@@ -757,8 +765,8 @@ def test_new_formats_gather_rows(name):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name", NEW_IDS)
-def test_new_formats_under_scan_of_stacked_layers(name, dtype):
+@pytest.mark.parametrize("name", EVERY_IDS)
+def test_every_format_under_scan_of_stacked_layers(name, dtype):
     # Three layers stacked on a batch axis: `lax.scan` slices the codes and scales
     # (no decoding of the stack), value and gradient (x and the scales) as the oracle.
     ws = jnp.stack([normal((16, 16), seed=i) * 0.3 for i in range(3)]).astype(dtype)
@@ -772,16 +780,19 @@ def test_new_formats_under_scan_of_stacked_layers(name, dtype):
     def loss(stacked, x):
         return jnp.sum(net(stacked, x).astype(jnp.float32) ** 2)
 
+    field = "absmax" if isinstance(stacked, NF4Weight) else "scale"
+
     def implicit(scale, x):
-        return qax.use_implicit_args(loss)(dataclasses.replace(stacked, scale=scale), x)
+        with_scale = dataclasses.replace(stacked, **{field: scale})
+        return qax.use_implicit_args(loss)(with_scale, x)
 
     def oracle(scale, x):  # the decoded stack
-        return loss(dataclasses.replace(stacked, scale=scale).dequantize(), x)
+        return loss(dataclasses.replace(stacked, **{field: scale}).dequantize(), x)
 
     grad = functools.partial(jax.value_and_grad, argnums=(0, 1))
     with strict():
-        value, (g_scale, g_x) = jax.jit(grad(implicit))(stacked.scale, x)
-    want, (d_scale, d_x) = grad(oracle)(stacked.scale, x)
+        value, (g_scale, g_x) = jax.jit(grad(implicit))(getattr(stacked, field), x)
+    want, (d_scale, d_x) = grad(oracle)(getattr(stacked, field), x)
     r = 5e-2 if dtype == jnp.bfloat16 else 1e-4
     np.testing.assert_allclose(float(value), float(want), rtol=r)
     for g, d in ((g_scale, d_scale), (g_x, d_x)):

@@ -1,4 +1,4 @@
-"""The quantized weight types and their encodings (see `qax.quant`).
+"""The quantized weight types (see `qax.quant`); their encodings are in `_codes`.
 
 This module uses qax's public API only.
 """
@@ -6,10 +6,7 @@ This module uses qax's public API only.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 from collections.abc import Callable
-from statistics import NormalDist
 from typing import Any, ClassVar
 
 import jax
@@ -19,25 +16,8 @@ from jax import lax
 
 import qax
 
-
-def _nf4_levels() -> np.ndarray:
-    """The 16 NormalFloat levels of QLoRA (Dettmers et al., 2023, appendix E).
-
-    8 positive levels at the standard normal quantiles of ``linspace(offset, 1/2, 9)``
-    (without the last point), 7 negative ones at those of ``linspace(offset, 1/2, 8)``,
-    and an exact zero, all divided by the largest. ``offset`` is the mean of
-    ``1 - 1/(2·15)`` and ``1 - 1/(2·16)``, so that the extreme levels are ±1.
-    """
-    ppf = NormalDist().inv_cdf
-    offset = ((1 - 1 / 30) + (1 - 1 / 32)) / 2
-    positive = [ppf(p) for p in np.linspace(offset, 0.5, 9)[:-1]]
-    negative = [-ppf(p) for p in np.linspace(offset, 0.5, 8)[:-1]]
-    levels = np.sort(np.array([*positive, 0.0, *negative]))
-    return (levels / np.abs(levels).max()).astype(np.float32)
-
-
-NF4_LEVELS: np.ndarray = _nf4_levels()
-"""The 16 NF4 levels in ascending order, from -1 to 1 (index = the 4-bit code)."""
+from . import _codes
+from ._codes import NF4_LEVELS
 
 _LAST_AXIS = (
     "{cls}: the last axis of a weight of shape {shape} must be a multiple of "
@@ -55,62 +35,6 @@ _BAD_FP8 = (
 )
 
 
-def _pack(codes: jax.Array) -> jax.Array:
-    """Two 4-bit codes per byte along the last axis: element ``2j`` in the low nibble."""
-    codes = codes.astype(jnp.uint8)
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
-
-
-def _unpack(packed: jax.Array) -> jax.Array:
-    low, high = packed & 0xF, packed >> 4
-    return jnp.stack([low, high], axis=-1).reshape(*packed.shape[:-1], -1)
-
-
-def _blocks(x: jax.Array, size: int) -> jax.Array:
-    return x.reshape(*x.shape[:-1], x.shape[-1] // size, size)
-
-
-def _chunk(bits: int) -> tuple[int, int]:
-    """The shortest byte-aligned run of ``bits``-bit codes: (codes, bytes)."""
-    common = math.gcd(8, bits)
-    return 8 // common, bits // common
-
-
-def _pack_bits(codes: jax.Array, bits: int) -> jax.Array:
-    """Codes in ``[0, 2**bits)`` as a little-endian bit stream along the last axis.
-
-    Code ``i`` of a row takes bits ``i*bits`` to ``i*bits + bits - 1`` of the row's
-    bytes, bit 0 being the least significant bit of byte 0 (for 4 bits: the even code in
-    the low nibble, as `Int4Weight` packs). The last axis must hold whole bytes.
-    """
-    n_codes, n_bytes = _chunk(bits)
-    values = codes.astype(jnp.int32).reshape(*codes.shape[:-1], -1, n_codes)
-    out = []
-    for b in range(n_bytes):
-        byte = jnp.zeros(values.shape[:-1], jnp.int32)
-        for i in range(n_codes):
-            shift = i * bits - 8 * b  # where code i's bit 0 falls, from byte b's bit 0
-            if -bits < shift < 8:
-                part = values[..., i]
-                byte = byte | (part << shift if shift >= 0 else part >> -shift)
-        out.append(byte & 0xFF)
-    packed = jnp.stack(out, axis=-1).astype(jnp.uint8)
-    return packed.reshape(*codes.shape[:-1], -1)
-
-
-def _unpack_bits(packed: jax.Array, bits: int) -> jax.Array:
-    """The codes (``int32``) of a bit stream written by `_pack_bits`."""
-    n_codes, n_bytes = _chunk(bits)
-    data = packed.astype(jnp.int32).reshape(*packed.shape[:-1], -1, n_bytes)
-    start = np.arange(n_codes) * bits  # code i's first bit in its run
-    first, shift = start // 8, start % 8
-    # Code i lies in byte `first[i]` and, if it runs on, the next one; where it does
-    # not, the next byte's bits land above the mask.
-    word = data[..., first] | (data[..., np.minimum(first + 1, n_bytes - 1)] << 8)
-    codes = (word >> shift) & ((1 << bits) - 1)
-    return codes.reshape(*packed.shape[:-1], -1)
-
-
 def _channel_axes(cls: type, w: jax.Array, axis: Any) -> set[int]:
     """The channel axes of ``w`` (``axis``: an int or a tuple of ints), checked."""
     axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
@@ -125,11 +49,10 @@ def _channel_axes(cls: type, w: jax.Array, axis: Any) -> set[int]:
     return {a % w.ndim for a in axes}
 
 
-def _channel_absmax(cls: type, w: jax.Array, axis: Any, batch_ndim: int) -> jax.Array:
-    """The absmax of ``w`` over all but its batch and channel axes (kept, size 1)."""
+def _reduced_axes(cls: type, w: jax.Array, axis: Any, batch_ndim: int) -> tuple:
+    """The axes a per-channel scale reduces over: all but the batch and channel axes."""
     kept = _channel_axes(cls, w, axis)
-    others = tuple(i for i in range(batch_ndim, w.ndim) if i not in kept)
-    return jnp.max(jnp.abs(w), axis=others, keepdims=True)
+    return tuple(i for i in range(batch_ndim, w.ndim) if i not in kept)
 
 
 def _channel_field_dims(w: QuantizedWeight) -> dict[str, tuple[int | None, ...]]:
@@ -142,6 +65,14 @@ def _channel_field_dims(w: QuantizedWeight) -> dict[str, tuple[int | None, ...]]
         "q": tuple(range(rank)),
         "scale": tuple(i if keep else None for i, keep in enumerate(channel)),
     }
+
+
+@jax.jit
+def _decode_compiled(weight: QuantizedWeight) -> jax.Array:
+    """`dequantize` as one program per type, shape and settings: run eagerly (or under
+    an eager `grad`/`vmap`), JAX would dispatch and compile each step of the decoding;
+    traced, the program is inlined into the caller's."""
+    return weight._decode(**{n: getattr(weight, n) for n in weight._ARRAYS})
 
 
 class QuantizedWeight(qax.ImplicitArray):
@@ -195,7 +126,7 @@ class QuantizedWeight(qax.ImplicitArray):
 
     def dequantize(self) -> jax.Array:
         """The dense weight the codes stand for (differentiable in the scales)."""
-        return self._decode(**{n: getattr(self, n) for n in self._ARRAYS})
+        return _decode_compiled(self)
 
     def _decode(self, **arrays: Any) -> jax.Array:
         raise NotImplementedError
@@ -279,9 +210,7 @@ class Int8Weight(QuantizedWeight):
           ValueError: an axis is out of range for ``w``.
         """
         w = jnp.asarray(w)
-        absmax = _channel_absmax(cls, w, axis, batch_ndim)
-        scale = jnp.where(absmax > 0, absmax / 127, 1).astype(w.dtype)
-        q = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
+        q, scale = _codes.encode_int8(w, _reduced_axes(cls, w, axis, batch_ndim))
         return cls(q, scale, weight_ndim=w.ndim - batch_ndim)
 
     def _decode(self, q: Any, scale: Any) -> jax.Array:
@@ -339,11 +268,13 @@ class Int4Weight(_PackedFourBits):
         Raises:
           ValueError: the last axis is not a multiple of ``group_size``, or odd.
         """
-        return _quantize_blocks(cls, w, "group_size", group_size, batch_ndim, _int4)
+        return _quantize_blocks(
+            cls, w, "group_size", group_size, batch_ndim, _codes.int4_codes
+        )
 
     def _decode(self, packed: Any, scale: Any) -> jax.Array:
-        values = _unpack(packed).astype(jnp.int32) - 8
-        groups = _blocks(values.astype(self.dtype), self.group_size)
+        values = _codes.unpack4(packed).astype(jnp.int32) - 8
+        groups = _codes.split_blocks(values.astype(self.dtype), self.group_size)
         return (groups * scale[..., None]).reshape(values.shape)
 
 
@@ -382,11 +313,13 @@ class NF4Weight(_PackedFourBits):
         Raises:
           ValueError: the last axis is not a multiple of ``block_size``, or odd.
         """
-        return _quantize_blocks(cls, w, "block_size", block_size, batch_ndim, _nf4)
+        return _quantize_blocks(
+            cls, w, "block_size", block_size, batch_ndim, _codes.nf4_codes
+        )
 
     def _decode(self, packed: Any, absmax: Any) -> jax.Array:
-        levels = jnp.asarray(NF4_LEVELS, self.dtype)[_unpack(packed)]
-        blocks = _blocks(levels, self.block_size) * absmax[..., None]
+        levels = jnp.asarray(NF4_LEVELS, self.dtype)[_codes.unpack4(packed)]
+        blocks = _codes.split_blocks(levels, self.block_size) * absmax[..., None]
         return blocks.reshape(levels.shape)
 
 
@@ -469,8 +402,9 @@ class FP8Weight(QuantizedWeight):
         if dtype not in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)):
             raise ValueError(_BAD_FP8.format(dtype=fp8_dtype))
         w = jnp.asarray(w)
+        reduced = None
         if block_size is None:
-            absmax = _channel_absmax(cls, w, -1 if axis is None else axis, batch_ndim)
+            reduced = _reduced_axes(cls, w, -1 if axis is None else axis, batch_ndim)
         elif axis is not None:
             raise ValueError(
                 f"FP8Weight.from_array: axis={axis!r} and block_size={block_size!r}: "
@@ -479,12 +413,7 @@ class FP8Weight(QuantizedWeight):
             )
         else:
             _check_last_axis(cls, w.shape, "block_size", block_size)
-            absmax = jnp.max(jnp.abs(_blocks(w, block_size)), axis=-1)
-        largest = float(jnp.finfo(dtype).max)
-        scale = jnp.where(absmax > 0, absmax / largest, 1).astype(w.dtype)
-        wide = scale if block_size is None else jnp.repeat(scale, block_size, axis=-1)
-        ratio = w.astype(jnp.float32) / wide.astype(jnp.float32)
-        q = jnp.clip(ratio, -largest, largest).astype(dtype)
+        q, scale = _codes.encode_fp8(w, dtype, reduced, block_size)
         return cls(q, scale, block_size, weight_ndim=w.ndim - batch_ndim)
 
     def _decode(self, q: Any, scale: Any) -> jax.Array:
@@ -492,7 +421,7 @@ class FP8Weight(QuantizedWeight):
         values = lax.stop_gradient(q).astype(self.dtype)
         if self.block_size is None:
             return values * scale
-        blocks = _blocks(values, self.block_size) * scale[..., None]
+        blocks = _codes.split_blocks(values, self.block_size) * scale[..., None]
         return blocks.reshape(values.shape)
 
     def field_dims(self) -> dict[str, tuple[int | None, ...]]:
@@ -570,7 +499,7 @@ class IntKWeight(QuantizedWeight):
         """
         _check_bits(bits)
         w = jnp.asarray(w)
-        unit = _chunk(bits)[0]
+        unit = _codes.chunk(bits)[0]
         _check_last_axis(
             cls,
             w.shape,
@@ -579,45 +508,13 @@ class IntKWeight(QuantizedWeight):
             unit=unit,
             why=f"each group of {bits}-bit numbers fills whole bytes",
         )
-        packed, scale = _encode_intk(w, bits, group_size)
+        packed, scale = _codes.encode_intk(w, bits, group_size)
         return cls(packed, scale, bits, group_size, weight_ndim=w.ndim - batch_ndim)
 
     def _decode(self, packed: Any, scale: Any) -> jax.Array:
-        values = _unpack_bits(packed, self.bits) - 2 ** (self.bits - 1)
-        groups = _blocks(values.astype(self.dtype), self.group_size)
+        values = _codes.unpack_bits(packed, self.bits) - 2 ** (self.bits - 1)
+        groups = _codes.split_blocks(values.astype(self.dtype), self.group_size)
         return (groups * scale[..., None]).reshape(values.shape)
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _encode_intk(w: jax.Array, bits: int, group_size: int) -> tuple[jax.Array, ...]:
-    """The packed codes and group scales of `IntKWeight.from_array` (one compiled
-    program per shape, rather than a dispatch per bit-packing step)."""
-    q, scale = _signed_codes(_blocks(w, group_size), bits)
-    return _pack_bits((q + 2 ** (bits - 1)).reshape(w.shape), bits), scale
-
-
-def _signed_codes(blocks: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
-    """``bits``-bit two's-complement codes in ``[-2**(bits-1), 2**(bits-1) - 1]`` of
-    each block (the last axis) and the block scales.
-
-    All ``2**bits`` levels are used. From 4 bits on, the scale puts the block's largest
-    or its most negative number exactly on the end of the range that fits it (the other
-    end then has room to spare); at 2 and 3 bits, ``absmax / (2**(bits-1) - 0.5)``
-    (the extreme rounds half a step inwards, a finer step for all the others). On
-    normal weights, each gives a lower RMS error at its widths than the other, and than
-    ``absmax / (2**(bits-1) - 1)`` with the most negative level unused
-    (``benchmarks/bench_quant.py``).
-    """
-    top = 2 ** (bits - 1) - 1
-    if bits >= 4:
-        scale = jnp.maximum(
-            jnp.max(blocks, axis=-1) / top, -jnp.min(blocks, axis=-1) / (top + 1)
-        )
-    else:
-        scale = jnp.max(jnp.abs(blocks), axis=-1) / (top + 0.5)
-    scale = jnp.where(scale > 0, scale, 1).astype(blocks.dtype)
-    q = jnp.clip(jnp.round(blocks / scale[..., None]), -top - 1, top)
-    return q.astype(jnp.int32), scale
 
 
 def _check_bits(bits: Any) -> None:
@@ -666,22 +563,5 @@ def _quantize_blocks(
     _check_last_axis(
         cls, w.shape, what, size, unit=2, why="two 4-bit numbers share a byte"
     )
-    blocks = _blocks(w, size)
-    codes, scale = encode(blocks, jnp.max(jnp.abs(blocks), axis=-1))
-    packed = _pack(codes.reshape(w.shape))
+    packed, scale = _codes.encode_packed(w, size, encode)
     return cls(packed, scale, size, weight_ndim=w.ndim - batch_ndim)
-
-
-def _int4(blocks: jax.Array, absmax: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """4-bit codes (value + 8) and the group scales, as `IntKWeight` with 4 bits."""
-    q, scale = _signed_codes(blocks, 4)
-    return q + 8, scale
-
-
-def _nf4(blocks: jax.Array, absmax: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The nearest NF4 level of each number over its block's absmax, and the absmax."""
-    safe = jnp.where(absmax > 0, absmax, 1).astype(blocks.dtype)
-    normalized = (blocks / safe[..., None]).astype(jnp.float32)
-    midpoints = (NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2
-    codes = jnp.searchsorted(jnp.asarray(midpoints), normalized, method="compare_all")
-    return codes, safe
