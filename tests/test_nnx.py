@@ -514,7 +514,7 @@ def test_flax_optimizer_on_implicit_parameters_matches_qax_optimizer():
         qnnx.Optimizer(models[0], tx, wrt=trainable),
         nnx.Optimizer(models[1], tx, wrt=trainable),
     ]
-    step = _train_step(trainable)
+    step = nnx.jit(_train_step(trainable))
     for model, opt in zip(models, opts, strict=True):
         for _ in range(2):
             step(model, opt, TOKENS, TARGET)
