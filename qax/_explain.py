@@ -286,7 +286,10 @@ def _where(fn: Callable) -> str:
     try:
         path = inspect.getsourcefile(fn)
         line = inspect.getsourcelines(fn)[1]
-    except (OSError, TypeError):
+    except Exception:  # noqa: BLE001 (no source, or source that does not tokenize:
+        # code compiled from a string whose file name `linecache` maps to other text)
+        return ""
+    if path is None:
         return ""
     return f"{_audit.short_path(path)}:{line}"
 
