@@ -123,6 +123,25 @@ def all_eqns(jaxpr):
                     yield from all_eqns(sub)
 
 
+def find_eqn(jaxpr, name):
+    """The first equation of primitive `name` in a jaxpr (sub-jaxprs included)."""
+    return next((e for e in all_eqns(jaxpr) if e.primitive.name == name), None)
+
+
+def check_equation(fn, name, *args, **tol):
+    """`qax.testing.check_handler` on the `name` equation that `fn` binds on the
+    materialized `args`, with its exact params; no materialization allowed."""
+    dense = [a.materialize() if isinstance(a, qax.ImplicitArray) else a for a in args]
+    eqn = find_eqn(jax.make_jaxpr(fn)(*dense).jaxpr, name)
+    shapes = [tuple(v.aval.shape) for v in eqn.invars]
+    if shapes == [tuple(jnp.shape(a)) for a in args[::-1]]:
+        args = args[::-1]
+    assert shapes == [tuple(jnp.shape(a)) for a in args], (shapes, eqn)
+    report = qax.testing.check_handler(name, *args, **eqn.params, **tol)
+    assert not report.materializations
+    return report
+
+
 def primitive_names(jaxpr) -> list[str]:
     """Names of every primitive in a (closed) jaxpr, sub-jaxprs included."""
     return [eqn.primitive.name for eqn in all_eqns(jaxpr)]

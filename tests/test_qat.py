@@ -17,7 +17,7 @@ from jax import lax
 import qax
 from qax.qat import FakeQuant, convert, fake_quantize
 from qax.testing import check_handler
-from tests.helpers import all_eqns
+from tests.helpers import all_eqns, check_equation, find_eqn
 
 # Every format name `qax.quant.quantize` may accept; those it does not (yet) accept in
 # this build are skipped, so new formats are covered as soon as they exist.
@@ -57,10 +57,6 @@ def test_the_core_formats_are_covered():
 
 def normal(shape, seed=0, dtype=jnp.float32):
     return jax.random.normal(jax.random.PRNGKey(seed), shape).astype(dtype)
-
-
-def find_eqn(jaxpr, name):
-    return next((e for e in all_eqns(jaxpr) if e.primitive.name == name), None)
 
 
 def strict():
@@ -157,15 +153,8 @@ def test_forward_mode_is_straight_through_too():
 
 
 def check(fn, name, *args, **tol):
-    """`check_handler` on the `name` equation `fn` binds, with its exact params."""
-    dense = [a.materialize() if isinstance(a, qax.ImplicitArray) else a for a in args]
-    eqn = find_eqn(jax.make_jaxpr(fn)(*dense).jaxpr, name)
-    shapes = [tuple(v.aval.shape) for v in eqn.invars]
-    if shapes == [tuple(jnp.shape(a)) for a in args[::-1]]:
-        args = args[::-1]
-    assert shapes == [tuple(jnp.shape(a)) for a in args], (shapes, eqn)
-    report = check_handler(name, *args, **eqn.params, **tol)
-    assert not report.materializations
+    """`check_equation`, every transformation run and passed."""
+    report = check_equation(fn, name, *args, **tol)
     checks = dict(report.checks)
     assert {"eager", "jit", "vmap", "grad"} <= set(checks)
     assert set(checks.values()) == {"passed"}, checks

@@ -27,7 +27,7 @@ from qax.quant import (
     QuantizedWeight,
 )
 from qax.testing import check_handler
-from tests.helpers import all_eqns
+from tests.helpers import all_eqns, check_equation, find_eqn
 
 FORMATS = [
     pytest.param(lambda w: Int8Weight.from_array(w), id="int8"),
@@ -40,10 +40,6 @@ FORMATS = [
 
 def normal(shape, seed=0, dtype=jnp.float32):
     return jax.random.normal(jax.random.PRNGKey(seed), shape).astype(dtype)
-
-
-def find_eqn(jaxpr, name):
-    return next((e for e in all_eqns(jaxpr) if e.primitive.name == name), None)
 
 
 def strict():
@@ -156,19 +152,6 @@ def test_int8_scales_along_any_set_of_axes():
 # Handlers against "decode, then run the primitive"
 
 
-def check(fn, name, *args, **tol):
-    """`check_handler` on the `name` equation `fn` binds, with its exact params."""
-    dense = [a.materialize() if isinstance(a, qax.ImplicitArray) else a for a in args]
-    eqn = find_eqn(jax.make_jaxpr(fn)(*dense).jaxpr, name)
-    shapes = [tuple(v.aval.shape) for v in eqn.invars]
-    if shapes == [tuple(jnp.shape(a)) for a in args[::-1]]:
-        args = args[::-1]
-    assert shapes == [tuple(jnp.shape(a)) for a in args], (shapes, eqn)
-    report = check_handler(name, *args, **eqn.params, **tol)
-    assert not report.materializations
-    return report
-
-
 DOTS = [
     ("x@W", (3, 32), lambda x, w: x @ w),
     ("W@x", (32, 5), lambda x, w: jnp.einsum("io,ib->ob", w, x)),
@@ -189,7 +172,7 @@ DOTS = [
 )
 def test_dot_general(make, name, x_shape, fn):
     q = make(normal((32, 16)))
-    check(fn, "dot_general", normal(x_shape, seed=1), q)
+    check_equation(fn, "dot_general", normal(x_shape, seed=1), q)
 
 
 def test_conv():
@@ -252,10 +235,10 @@ def test_convert_and_mul_handlers_pass_check_handler():
     # Shared by the formats; NF4's scales are its `absmax` field.
     q = NF4Weight.from_array(normal((16, 32)), block_size=16)
     # Decoding in bf16 sums the scales' gradients in bf16.
-    check(
+    check_equation(
         lambda w: w.astype(jnp.bfloat16), "convert_element_type", q, rtol=5e-2, atol=5.0
     )
-    check(lambda w, c: w * c, "mul", q, jnp.float32(0.5))
+    check_equation(lambda w, c: w * c, "mul", q, jnp.float32(0.5))
 
 
 def test_int8_transpose_stays_int8():
@@ -420,7 +403,7 @@ def test_qlora_matmul_against_the_oracle():
     w = params["w1"]
     assert isinstance(w.w, NF4Weight)
     x = normal((3, 32), seed=2)
-    report = check(lambda x, w: x @ w, "dot_general", x, w)
+    report = check_equation(lambda x, w: x @ w, "dot_general", x, w)
     assert dict(report.checks)["grad"] == "passed"
     # The base product went to the NF4 handler: nothing was materialized. The oracle
     # (materialize) is QLoRA's formula.
@@ -666,7 +649,7 @@ def test_every_format_dot_general_check_handler(name, dtype):
             .at[jnp.arange(3), jnp.array([3, 17, 30])]
             .set(jnp.array([1.5, -0.75, 2.0], dtype))
         )
-    check(lambda x, w: x @ w, "dot_general", x, q, **tol(dtype))
+    check_equation(lambda x, w: x @ w, "dot_general", x, q, **tol(dtype))
 
 
 def jaxpr_dot_operands(fn, *args):
@@ -705,7 +688,7 @@ def test_per_channel_products_narrow_or_decoded(layout, fp8):
         else Int8Weight.from_array(w, axis=axis)
     )
     x = normal(x_shape, seed=1)
-    check(fn, "dot_general", x, q)
+    check_equation(fn, "dot_general", x, q)
     operands = jaxpr_dot_operands(fn, x, q)
     assert (q.q.dtype in operands) == narrow, operands
 
