@@ -38,6 +38,7 @@ _RULE_KEYS = (
     "axis",
     "group_size",
     "block_size",
+    "block_axis",
     "batch_ndim",
 )
 

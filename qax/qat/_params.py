@@ -51,7 +51,8 @@ def _options_for(fmt: Any, options: dict) -> dict:
     """The call's options that the format of a rule takes (as `qax.quant.quantize`
     does for a rule that picks another format): the block size under the name that
     format uses (``block_size`` first, then ``group_size``), the others if its
-    ``from_array`` has a parameter of that name."""
+    ``from_array`` has a parameter of that name (``block_axis`` only where it then
+    makes block scales)."""
     cls = _format_class(fmt)
     out = {}
     size = options.get("block_size", options.get("group_size"))
@@ -63,9 +64,23 @@ def _options_for(fmt: Any, options: dict) -> dict:
     for name, value in options.items():
         if name in ("block_size", "group_size"):
             continue
+        if name == "block_axis" and not _has_blocks(cls, out):
+            continue
         if _takes(cls, name):
             out[name] = value
     return out
+
+
+def _has_blocks(cls: type, out: dict) -> bool:
+    """Whether ``cls.from_array`` with ``out`` makes block scales (`block_axis` then
+    applies): a block size passed, or one by default (fp8 is per channel without)."""
+    if "block_size" in out or "group_size" in out:
+        return True
+    params = inspect.signature(cls.from_array).parameters
+    return any(
+        name in params and params[name].default not in (None, inspect.Parameter.empty)
+        for name in ("block_size", "group_size")
+    )
 
 
 def fake_quantize(

@@ -14,7 +14,8 @@ full-precision weight never exists as a parameter or an input of the program:
 - ``gather`` of rows (embedding lookups): only the gathered rows are decoded;
 - ``convert_element_type`` to a floating dtype: the same codes, decoding to that dtype
   (``w.astype(jnp.bfloat16)`` keeps 4-bit storage); ``mul`` by a scalar rescales the
-  scales; ``transpose`` of a per-channel weight transposes its codes; ``stop_gradient``;
+  scales; ``transpose`` transposes the codes and scales as stored (a block format's
+  blocks move with their axis: ``emb.T`` of a 4-bit table stays 4-bit); ``stop_gradient``;
 - ``add`` / ``sub`` (merging a LoRA into a quantized base): decoded inside the handler.
 
 The formats (the names `quantize` takes):
@@ -36,11 +37,20 @@ The formats (the names `quantize` takes):
 - ``"int2"``, ``"int3"``, ``"int5"``, ``"int6"``, ``"int7"``, `IntKWeight`:
   ``bits``-bit two's-complement integers in ``[-2**(bits-1), 2**(bits-1) - 1]`` (all
   ``2**bits`` levels used: ``int2`` is ``{-2, -1, 0, 1}``), one scale per group along
-  the last axis, packed so that a weight of ``n``
-  numbers takes exactly ``n * bits / 8`` bytes. Any ``bits`` from 2 to 8 through the
+  the last axis, packed so that a weight of ``n`` numbers takes exactly ``n * bits /
+  8`` bytes. Any ``bits`` from 2 to 8 through the
   class: ``quantize(params, qax.quant.IntKWeight, bits=8, group_size=64)`` is group-wise
   int8 (``"int4"`` and ``"int8"`` keep their own types above; ``IntKWeight`` with
   ``bits=4`` stores the very bytes `Int4Weight` does).
+
+The block formats (int4, nf4, int2...int7, block-wise fp8) group along the last axis
+unless told ``block_axis=``: ``-2`` puts the blocks (and the packing) on the input axis
+of a Flax ``(in, out)`` kernel, or the contracted ``d_model`` axis of an ``nnx.Einsum``
+kernel ``(heads, d_model, head_dim)``, as bitsandbytes and qwix group: each block
+then holds numbers that one output sums over, which lowers the post-training error on
+trained weights (``benchmarks/README.md``, ``bench_qat.py``); the bytes are the same.
+The default stays the last axis, so weights and checkpoints made before decode as
+they did. ``quantize(params, "nf4", block_axis=-2)`` or per path in ``rules=``.
 
 Gradients flow into the scales as they would into the decoded weight; the codes get
 none (integers; FP8 codes are decoded under `jax.lax.stop_gradient`), and every type

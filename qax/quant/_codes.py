@@ -52,6 +52,16 @@ def split_blocks(x: jax.Array, size: int) -> jax.Array:
     return x.reshape(*x.shape[:-1], x.shape[-1] // size, size)
 
 
+def to_last(x: jax.Array, axis: int) -> jax.Array:
+    """``x`` with the blocks' axis (negative, from the end) moved last."""
+    return x if axis == -1 else jnp.moveaxis(x, axis, -1)
+
+
+def from_last(x: jax.Array, axis: int) -> jax.Array:
+    """The inverse of `to_last`: the last axis moved back to ``axis``."""
+    return x if axis == -1 else jnp.moveaxis(x, -1, axis)
+
+
 def chunk(bits: int) -> tuple[int, int]:
     """The shortest byte-aligned run of ``bits``-bit codes: (codes, bytes)."""
     common = math.gcd(8, bits)
@@ -101,20 +111,31 @@ def encode_int8(w: jax.Array, reduced: tuple) -> tuple[jax.Array, jax.Array]:
     return jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8), scale
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def encode_intk(w: jax.Array, bits: int, group_size: int) -> tuple[jax.Array, ...]:
-    """The packed codes and group scales of `IntKWeight.from_array` (one compiled
-    program per shape, rather than a dispatch per bit-packing step)."""
-    q, scale = signed_codes(split_blocks(w, group_size), bits)
-    return pack_bits((q + 2 ** (bits - 1)).reshape(w.shape), bits), scale
-
-
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def encode_intk(
+    w: jax.Array, bits: int, group_size: int, axis: int = -1
+) -> tuple[jax.Array, ...]:
+    """The packed codes and group scales of `IntKWeight.from_array`, groups and bit
+    stream along ``axis`` (one compiled program per shape, rather than a dispatch per
+    bit-packing step)."""
+    w = to_last(w, axis)
+    q, scale = signed_codes(split_blocks(w, group_size), bits)
+    packed = pack_bits((q + 2 ** (bits - 1)).reshape(w.shape), bits)
+    return from_last(packed, axis), from_last(scale, axis)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def encode_fp8(
-    w: jax.Array, dtype: Any, reduced: tuple | None, block_size: int | None
+    w: jax.Array,
+    dtype: Any,
+    reduced: tuple | None,
+    block_size: int | None,
+    axis: int = -1,
 ) -> tuple[jax.Array, jax.Array]:
     """`FP8Weight.from_array`'s codes and scales: per channel (the absmax over the
-    ``reduced`` axes) or per block of ``block_size`` along the last axis."""
+    ``reduced`` axes) or per block of ``block_size`` along ``axis``."""
+    if block_size is not None:
+        w = to_last(w, axis)
     if block_size is None:
         absmax = jnp.max(jnp.abs(w), axis=reduced, keepdims=True)
     else:
@@ -123,7 +144,10 @@ def encode_fp8(
     scale = jnp.where(absmax > 0, absmax / largest, 1).astype(w.dtype)
     wide = scale if block_size is None else jnp.repeat(scale, block_size, axis=-1)
     ratio = w.astype(jnp.float32) / wide.astype(jnp.float32)
-    return jnp.clip(ratio, -largest, largest).astype(dtype), scale
+    q = jnp.clip(ratio, -largest, largest).astype(dtype)
+    if block_size is None:
+        return q, scale
+    return from_last(q, axis), from_last(scale, axis)
 
 
 def signed_codes(blocks: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
@@ -150,12 +174,16 @@ def signed_codes(blocks: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
     return q.astype(jnp.int32), scale
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def encode_packed(w: jax.Array, size: int, encode: Callable) -> tuple[jax.Array, ...]:
-    """The packed 4-bit codes and block scales (one compiled program per shape)."""
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def encode_packed(
+    w: jax.Array, size: int, encode: Callable, axis: int = -1
+) -> tuple[jax.Array, ...]:
+    """The 4-bit codes and block scales, blocks and pairs of codes along ``axis`` (one
+    compiled program per shape)."""
+    w = to_last(w, axis)
     blocks = split_blocks(w, size)
     codes, scale = encode(blocks, jnp.max(jnp.abs(blocks), axis=-1))
-    return pack4(codes.reshape(w.shape)), scale
+    return from_last(pack4(codes.reshape(w.shape)), axis), from_last(scale, axis)
 
 
 def int4_codes(blocks: jax.Array, absmax: jax.Array) -> tuple[jax.Array, jax.Array]:

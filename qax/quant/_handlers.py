@@ -17,7 +17,9 @@ import qax
 from ._types import (
     FP8Weight,
     Int8Weight,
+    IntKWeight,
     QuantizedWeight,
+    _PackedFourBits,
 )
 
 # ----------------------------------------------------------------------------------------
@@ -101,7 +103,8 @@ def _gather_rows(
     """Gather the codes and scales of the rows, then decode only those rows.
 
     Applies when the lookup indexes leading axes and keeps the last axis whole, at the
-    end of the result (``table[ids]``); otherwise the whole weight is decoded first.
+    end of the result (``table[ids]``), and blocks (if any) run along the last axis;
+    otherwise the whole weight is decoded first.
     """
     dn, sizes = dimension_numbers, tuple(params.pop("slice_sizes"))
     indexed = (*dn.collapsed_slice_dims, *dn.start_index_map, *dn.operand_batching_dims)
@@ -109,6 +112,7 @@ def _gather_rows(
     last = w.ndim - 1
     if (
         w.ndim < 2
+        or getattr(w, "block_axis", -1) != -1
         or last in indexed
         or sizes[-1] != w.shape[-1]
         or dn.offset_dims[-1:] != (out_ndim - 1,)
@@ -178,8 +182,36 @@ def _transpose_int8(primitive, w: Int8Weight, *, permutation) -> Any:
 
 @qax.primitive_handler("transpose")
 def _transpose_fp8(primitive, w: FP8Weight, *, permutation) -> Any:
-    """Per-channel fp8 likewise; block-wise fp8 decodes first."""
+    """Per-channel fp8 likewise; block-wise fp8 as the other block formats."""
+    if w.block_size is not None:
+        return _transpose_blocks(primitive, w, permutation)
     return _transpose_per_channel(primitive, w, permutation)
+
+
+@qax.primitive_handler("transpose")
+def _transpose_packed(primitive, w: _PackedFourBits, *, permutation) -> Any:
+    """4-bit codes and block scales transpose as stored (``emb.T`` of a tied embedding
+    stays 4-bit): the blocks follow their axis."""
+    return _transpose_blocks(primitive, w, permutation)
+
+
+@qax.primitive_handler("transpose")
+def _transpose_intk(primitive, w: IntKWeight, *, permutation) -> Any:
+    return _transpose_blocks(primitive, w, permutation)
+
+
+def _transpose_blocks(primitive, w: QuantizedWeight, permutation) -> Any:
+    """A block format's fields (each of the weight's rank, dimension ``i`` along the
+    weight's dimension ``i``) transposed together, ``block_axis`` moved with its axis;
+    a permutation that moves stacked (batch) axes decodes first."""
+    permutation = tuple(int(p) for p in permutation)
+    ndim = w.ndim
+    batch = 0 if w.weight_ndim is None else ndim - w.weight_ndim
+    if permutation[:batch] != tuple(range(batch)):
+        return primitive.bind(w.dequantize(), permutation=permutation)
+    fields = {n: lax.transpose(getattr(w, n), permutation) for n in w._ARRAYS}
+    block_axis = permutation.index(ndim + w.block_axis) - ndim
+    return w._rescaled(**fields, block_axis=block_axis)
 
 
 def _transpose_per_channel(primitive, w: QuantizedWeight, permutation) -> Any:

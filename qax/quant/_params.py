@@ -41,7 +41,15 @@ FORMATS: tuple[str, ...] = tuple(_FORMATS)
 ``"nf4"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"int2"``, ``"int3"``, ``"int5"``,
 ``"int6"``, ``"int7"`` (see the module's notes)."""
 
-_OPTIONS = ("axis", "group_size", "block_size", "batch_ndim", "bits", "fp8_dtype")
+_OPTIONS = (
+    "axis",
+    "group_size",
+    "block_size",
+    "block_axis",
+    "batch_ndim",
+    "bits",
+    "fp8_dtype",
+)
 
 
 def _block_size(options: dict) -> int:
@@ -49,7 +57,7 @@ def _block_size(options: dict) -> int:
 
 
 def _skip_size(cls: type, options: dict) -> Any:
-    """The block size that a weight's last axis must be a multiple of."""
+    """The block size that a weight's blocks' axis must be a multiple of."""
     if issubclass(cls, FP8Weight):
         return options.get("block_size")
     if issubclass(cls, IntKWeight):
@@ -61,9 +69,13 @@ def _fits(cls: type, leaf: Any, options: dict) -> bool:
     if cls is Int8Weight:
         return True
     size = _skip_size(cls, options)
+    axis = options.get("block_axis", -1)
+    if not isinstance(axis, int) or not -leaf.ndim <= axis < leaf.ndim:
+        return True  # from_array names the bad axis
+    n = leaf.shape[axis]
     if issubclass(cls, (FP8Weight, IntKWeight)):  # a bad size is from_array's error
-        return size is None or not isinstance(size, int) or leaf.shape[-1] % size == 0
-    return size % 2 == 0 and leaf.shape[-1] % size == 0
+        return size is None or not isinstance(size, int) or n % size == 0
+    return size % 2 == 0 and n % size == 0
 
 
 def quantize(
@@ -91,23 +103,28 @@ def quantize(
         group-wise).
       filter: ``filter(path, leaf) -> bool`` (``path`` as in `qax.lora.loraify`).
         Default: `qax.lora.default_filter` (every 2-D+ weight but embeddings, norms and
-        biases), skipping weights whose last axis is not a multiple of the block size
-        (the group size of the integer formats), with a warning that names them.
+        biases), skipping weights whose blocks' axis (the last, or ``block_axis``) is
+        not a multiple of the block size (the group size of the integer formats), with
+        a warning that names them.
       rules: per-path settings, like qwix's rules: an ordered list of ``(pattern,
         settings)``. The first pattern (a regular expression) that matches all of a
         weight's path decides for it: ``settings`` is a dict with a ``"format"`` and
         options overriding this call's (``axis``, ``group_size``, ``block_size``,
-        ``batch_ndim``, ``bits``, ``fp8_dtype``), the weight then chosen whatever
+        ``block_axis``, ``batch_ndim``, ``bits``, ``fp8_dtype``), the weight then chosen
+        whatever
         ``filter`` says; or ``None``, to keep it dense. Weights no pattern matches
         follow ``filter``, ``fmt`` and ``options``. E.g. ``rules=[(".*/attn/.*",
         {"format": "int8"}), (".*/head/.*", None)]``. A rule that picks another
         format than the call's takes, of the call's options, ``batch_ndim``, ``axis``
         (int8, fp8) and the block size (``block_size`` or ``group_size``, under the
-        name the format uses; not int8).
+        name the format uses; not int8) with ``block_axis``.
       **options: passed to ``from_array``: ``axis`` (int8 and per-channel fp8: an axis
         or a tuple of axes that keep their own scales), ``group_size`` (int4,
         int2...int7 and `IntKWeight`), ``block_size`` (nf4; fp8: block-wise scales
-        instead of per-channel), ``bits`` (`IntKWeight`), ``fp8_dtype`` (`FP8Weight`),
+        instead of per-channel), ``block_axis`` (the block formats: the axis of one
+        weight the blocks run along, default -1, the last; ``-2`` groups the input
+        axis of Flax ``(in, out)`` kernels, as bitsandbytes and qwix do: a lower error
+        on trained weights), ``bits`` (`IntKWeight`), ``fp8_dtype`` (`FP8Weight`),
         ``batch_ndim`` (stacked layers; an int or a function of ``(path, leaf)``).
 
     Returns:
@@ -167,13 +184,18 @@ def quantize(
     if skipped:
         warnings.warn(
             f"quantize(..., {cls.__name__}) kept {len(skipped)} weight(s) unquantized: "
-            "their last axis is not a multiple of the block size "
+            f"their {_axis_name(options)} is not a multiple of the block size "
             f"{_skip_size(cls, options)}: {', '.join(skipped)}. Pass a block size that "
             "divides it (block_size= for nf4 and fp8, group_size= for int4 and "
-            "int2...int7), or a `filter` that leaves them out.",
+            "int2...int7; or per-path rules=), or a `filter` that leaves them out.",
             stacklevel=2,
         )
     return out
+
+
+def _axis_name(options: dict) -> str:
+    axis = options.get("block_axis", -1)
+    return "last axis" if axis == -1 else f"axis {axis} (block_axis)"
 
 
 def quantize_dequantize(
@@ -248,7 +270,7 @@ def _options_for(cls: type, options: dict) -> dict:
     """The options of `quantize`'s call that `cls.from_array` takes, for a rule that
     picks another format than the call's: ``batch_ndim``; ``axis`` for int8 and fp8;
     the block size (``block_size`` or ``group_size``) under the name the format uses
-    (not for int8)."""
+    (not for int8); ``block_axis`` where the format then has blocks."""
     if cls not in {kind for kind, _ in _FORMATS.values()}:
         return dict(options)
     out = {"batch_ndim": options["batch_ndim"]} if "batch_ndim" in options else {}
@@ -257,6 +279,9 @@ def _options_for(cls: type, options: dict) -> dict:
     if cls is not Int8Weight and ("block_size" in options or "group_size" in options):
         name = "group_size" if cls in (Int4Weight, IntKWeight) else "block_size"
         out[name] = _block_size(options)
+    blocks = cls in (Int4Weight, NF4Weight, IntKWeight) or "block_size" in out
+    if blocks and "block_axis" in options:
+        out["block_axis"] = options["block_axis"]
     return out
 
 

@@ -19,10 +19,16 @@ import qax
 from . import _codes
 from ._codes import NF4_LEVELS
 
-_LAST_AXIS = (
-    "{cls}: the last axis of a weight of shape {shape} must be a multiple of "
-    "{what}={size}{unit}. Pass a {what} that divides {last}{hint}, or leave this weight "
-    "out with `filter=`."
+_BLOCK_AXIS = (
+    "{cls}: {where} of a weight of shape {shape} must be a multiple of "
+    "{what}={size}{unit}. Pass a {what} that divides {last}{hint}, another block_axis, "
+    "or leave this weight out with `filter=`."
+)
+_BAD_BLOCK_AXIS = (
+    "{cls}: block_axis={axis!r} for a weight of shape {shape} ({rank} weight axes): "
+    "the axis the blocks run along must be an integer in [-{rank}, {rank}) (-1: the "
+    "last axis; -2 for the input axis of a Flax (in, out) kernel, as bitsandbytes and "
+    "qwix group)."
 )
 _BAD_BITS = (
     "IntKWeight: bits={bits!r}; bits must be an integer from 2 to 8 (the number of bits "
@@ -122,6 +128,15 @@ class QuantizedWeight(qax.ImplicitArray):
                     "batch_ndim must be at most the weight's ndim."
                 )
             self.weight_ndim = int(n)
+        if hasattr(self, "block_axis"):
+            axis = self.block_axis
+            if not (_is_int(axis) and axis < 0 and (n is None or axis >= -max(n, 1))):
+                raise ValueError(
+                    f"{type(self).__name__}: block_axis must count from the end of "
+                    f"one weight's axes (-1: the last axis), got {axis!r}; "
+                    "`from_array` also takes it counted from the start."
+                )
+            self.block_axis = int(axis)
         super().__post_init__()
 
     def dequantize(self) -> jax.Array:
@@ -223,28 +238,35 @@ class Int8Weight(QuantizedWeight):
 
 
 class _PackedFourBits(QuantizedWeight):
-    """4-bit codes packed two per byte along the last axis (`Int4Weight`, `NF4Weight`)."""
+    """4-bit codes packed two per byte along the blocks' axis (`Int4Weight`,
+    `NF4Weight`)."""
 
     __module__ = "qax.quant"
 
     def compute_shape(self) -> tuple[int, ...]:
-        return (*self.packed.shape[:-1], 2 * self.packed.shape[-1])
+        return _widened(self.packed.shape, self.block_axis, 2)
 
 
 class Int4Weight(_PackedFourBits):
     """4-bit symmetric integers, two per byte, with one scale per group along the last
-    axis: ``w[..., g*s:(g+1)*s] ≈ (code - 8) * scale[..., g]``.
+    axis: ``w[..., g*s:(g+1)*s] ≈ (code - 8) * scale[..., g]`` (or along another axis:
+    ``block_axis``).
 
     Examples:
         >>> q = qax.quant.Int4Weight.from_array(jnp.ones((4, 64)), group_size=32)
         >>> q.packed.shape, q.scale.shape
         ((4, 32), (4, 2))
+        >>> q = qax.quant.Int4Weight.from_array(jnp.ones((64, 4)), 32, block_axis=0)
+        >>> q.packed.shape, q.scale.shape
+        ((32, 4), (2, 4))
 
     Attributes:
       packed: ``uint8`` of shape ``(*lead, n // 2)``: codes ``0..15`` (value + 8), the
-        even element in the low nibble.
+        even element in the low nibble (the blocks' axis halved).
       scale: ``(*lead, n // group_size)`` floating-point scales.
       group_size: numbers per scale.
+      block_axis: the axis the groups (and pairs of codes) run along, counted from
+        the end of one weight's axes: -1, the last axis (the default).
     """
 
     __module__ = "qax.quant"
@@ -252,46 +274,62 @@ class Int4Weight(_PackedFourBits):
     packed: qax.ArrayValue = qax.array_field(ndim="weight_ndim", stored=True)
     scale: qax.ArrayValue = qax.array_field(ndim="weight_ndim", stored=True)
     group_size: int = qax.aux_field(default=64)
+    block_axis: int = qax.aux_field(default=-1)
 
     _ARRAYS = ("packed", "scale")
 
     @classmethod
     def from_array(
-        cls, w: jax.Array, group_size: int = 64, batch_ndim: int = 0
+        cls,
+        w: jax.Array,
+        group_size: int = 64,
+        batch_ndim: int = 0,
+        block_axis: int = -1,
     ) -> Int4Weight:
-        """Quantize ``w`` group-wise along its last axis: codes in ``[-8, 7]``, one
-        scale per group, set so that the group's largest number is 7 steps or its
-        most negative -8 steps.
+        """Quantize ``w`` group-wise along its last axis (or ``block_axis``): codes in
+        ``[-8, 7]``, one scale per group, set so that the group's largest number is 7
+        steps or its most negative -8 steps.
 
         ``batch_ndim`` leading axes stack independent weights (scanned layers).
+        ``block_axis``: the axis of one weight the groups run along (``-2``, the input
+        axis of a Flax ``(in, out)`` kernel, groups numbers that one output sums over,
+        as bitsandbytes and qwix do).
 
         Raises:
-          ValueError: the last axis is not a multiple of ``group_size``, or odd.
+          ValueError: the blocks' axis is not a multiple of ``group_size``, or odd.
         """
         return _quantize_blocks(
-            cls, w, "group_size", group_size, batch_ndim, _codes.int4_codes
+            cls, w, "group_size", group_size, batch_ndim, block_axis, _codes.int4_codes
         )
 
     def _decode(self, packed: Any, scale: Any) -> jax.Array:
-        values = _codes.unpack4(packed).astype(jnp.int32) - 8
+        k = self.block_axis
+        values = _codes.unpack4(_codes.to_last(packed, k)).astype(jnp.int32) - 8
         groups = _codes.split_blocks(values.astype(self.dtype), self.group_size)
-        return (groups * scale[..., None]).reshape(values.shape)
+        out = groups * _codes.to_last(scale, k)[..., None]
+        return _codes.from_last(out.reshape(values.shape), k)
 
 
 class NF4Weight(_PackedFourBits):
     """QLoRA's 4-bit NormalFloat: codes into `NF4_LEVELS`, two per byte, with one
-    absmax per block along the last axis: ``w ≈ NF4_LEVELS[code] * absmax[block]``.
+    absmax per block along the last axis (or ``block_axis``): ``w ≈ NF4_LEVELS[code] *
+    absmax[block]``.
 
     Examples:
         >>> q = qax.quant.NF4Weight.from_array(jax.random.normal(key, (8, 128)))
         >>> q.packed.dtype, q.packed.shape, q.absmax.shape
         (dtype('uint8'), (8, 64), (8, 2))
+        >>> q = qax.quant.NF4Weight.from_array(jnp.ones((128, 8)), block_axis=-2)
+        >>> q.packed.shape, q.absmax.shape
+        ((64, 8), (2, 8))
 
     Attributes:
       packed: ``uint8`` of shape ``(*lead, n // 2)``: indices into `NF4_LEVELS`, the
-        even element in the low nibble.
+        even element in the low nibble (the blocks' axis halved).
       absmax: ``(*lead, n // block_size)`` floating-point block scales.
       block_size: numbers per block (64, as in QLoRA).
+      block_axis: the axis the blocks (and pairs of codes) run along, counted from
+        the end of one weight's axes: -1, the last axis (the default).
     """
 
     __module__ = "qax.quant"
@@ -299,28 +337,39 @@ class NF4Weight(_PackedFourBits):
     packed: qax.ArrayValue = qax.array_field(ndim="weight_ndim", stored=True)
     absmax: qax.ArrayValue = qax.array_field(ndim="weight_ndim", stored=True)
     block_size: int = qax.aux_field(default=64)
+    block_axis: int = qax.aux_field(default=-1)
 
     _ARRAYS = ("packed", "absmax")
 
     @classmethod
     def from_array(
-        cls, w: jax.Array, block_size: int = 64, batch_ndim: int = 0
+        cls,
+        w: jax.Array,
+        block_size: int = 64,
+        batch_ndim: int = 0,
+        block_axis: int = -1,
     ) -> NF4Weight:
-        """Quantize ``w`` block-wise along its last axis to the nearest NF4 level.
+        """Quantize ``w`` block-wise along its last axis (or ``block_axis``) to the
+        nearest NF4 level.
 
         ``batch_ndim`` leading axes stack independent weights (scanned layers).
+        ``block_axis``: the axis of one weight the blocks run along (``-2``, the input
+        axis of a Flax ``(in, out)`` kernel, as bitsandbytes and qwix group).
 
         Raises:
-          ValueError: the last axis is not a multiple of ``block_size``, or odd.
+          ValueError: the blocks' axis is not a multiple of ``block_size``, or odd.
         """
         return _quantize_blocks(
-            cls, w, "block_size", block_size, batch_ndim, _codes.nf4_codes
+            cls, w, "block_size", block_size, batch_ndim, block_axis, _codes.nf4_codes
         )
 
     def _decode(self, packed: Any, absmax: Any) -> jax.Array:
-        levels = jnp.asarray(NF4_LEVELS, self.dtype)[_codes.unpack4(packed)]
-        blocks = _codes.split_blocks(levels, self.block_size) * absmax[..., None]
-        return blocks.reshape(levels.shape)
+        k = self.block_axis
+        codes = _codes.unpack4(_codes.to_last(packed, k))
+        levels = jnp.asarray(NF4_LEVELS, self.dtype)[codes]
+        blocks = _codes.split_blocks(levels, self.block_size)
+        out = blocks * _codes.to_last(absmax, k)[..., None]
+        return _codes.from_last(out.reshape(levels.shape), k)
 
 
 class FP8Weight(QuantizedWeight):
@@ -334,7 +383,7 @@ class FP8Weight(QuantizedWeight):
       products whose contraction leaves the channel axes alone run on the fp8 codes
       (see the module's notes on narrow products);
     - block-wise (``block_size=b``): one scale per ``b`` consecutive numbers along the
-      last axis, ``scale`` of shape ``(*lead, n // b)``.
+      last axis (or ``block_axis``), ``scale`` of shape ``(*lead, n // b)``.
 
     ``float8_e4m3fn`` keeps 3 mantissa bits (a relative error of at most 1/16 per
     number) up to 448; ``float8_e5m2`` keeps 2 (at most 1/8) with a far wider range.
@@ -352,6 +401,8 @@ class FP8Weight(QuantizedWeight):
       q: the fp8 codes, of the weight's shape.
       scale: the scales (the dtype the weight decodes to).
       block_size: numbers per scale along the last axis, or ``None``: per channel.
+      block_axis: block-wise, the axis the blocks run along, counted from the end of
+        one weight's axes (-1, the default: the last axis).
     """
 
     __module__ = "qax.quant"
@@ -359,6 +410,7 @@ class FP8Weight(QuantizedWeight):
     q: qax.ArrayValue = qax.array_field(ndim="weight_ndim", stored=True)
     scale: qax.ArrayValue = qax.array_field(ndim="weight_ndim", stored=True)
     block_size: int | None = qax.aux_field(default=None)
+    block_axis: int = qax.aux_field(default=-1)
 
     _ARRAYS = ("q", "scale")
 
@@ -373,6 +425,7 @@ class FP8Weight(QuantizedWeight):
         axis: int | tuple[int, ...] | None = None,
         block_size: int | None = None,
         batch_ndim: int = 0,
+        block_axis: int = -1,
     ) -> FP8Weight:
         """Quantize ``w`` to fp8 codes, per channel or per block.
 
@@ -383,17 +436,19 @@ class FP8Weight(QuantizedWeight):
           axis: per-channel scales (the default layout): the channel axis (default:
             the last one) or a tuple of axes, as for `Int8Weight`.
           block_size: block-wise scales instead: numbers per scale along the last
-            axis, which it must divide.
+            axis (or ``block_axis``), which it must divide.
           batch_ndim: leading axes that stack independent weights (scanned layers);
             each gets its own scales.
+          block_axis: block-wise, the axis of one weight the blocks run along (``-2``:
+            the input axis of a Flax ``(in, out)`` kernel).
 
         Returns:
           The quantized weight.
 
         Raises:
           ValueError: ``fp8_dtype`` is not one of the two formats, an axis is out of
-            range, both ``axis`` and ``block_size`` are given, or ``block_size`` does
-            not divide the last axis.
+            range, both ``axis`` and ``block_size`` are given, ``block_axis`` without
+            ``block_size``, or ``block_size`` does not divide the blocks' axis.
         """
         try:
             dtype = jnp.dtype(fp8_dtype)
@@ -404,25 +459,36 @@ class FP8Weight(QuantizedWeight):
         w = jnp.asarray(w)
         reduced = None
         if block_size is None:
+            if block_axis != -1:
+                raise ValueError(
+                    f"FP8Weight.from_array: block_axis={block_axis!r} without "
+                    "block_size: block_axis places block-wise scales; pass block_size= "
+                    "with it, or axis= for per-channel scales."
+                )
             reduced = _reduced_axes(cls, w, -1 if axis is None else axis, batch_ndim)
+            k = -1
         elif axis is not None:
             raise ValueError(
                 f"FP8Weight.from_array: axis={axis!r} and block_size={block_size!r}: "
                 "pass axis= for per-channel scales or block_size= for block-wise "
-                "scales along the last axis, not both."
+                "scales (along block_axis), not both."
             )
         else:
-            _check_last_axis(cls, w.shape, "block_size", block_size)
-        q, scale = _codes.encode_fp8(w, dtype, reduced, block_size)
-        return cls(q, scale, block_size, weight_ndim=w.ndim - batch_ndim)
+            k = _block_axis(cls, w, block_axis, batch_ndim)
+            _check_block_axis(cls, w.shape, "block_size", block_size, k)
+        q, scale = _codes.encode_fp8(w, dtype, reduced, block_size, k)
+        return cls(q, scale, block_size, k, weight_ndim=w.ndim - batch_ndim)
 
     def _decode(self, q: Any, scale: Any) -> jax.Array:
         # The codes are floats, but fixed: no gradient reaches them (as for integers).
         values = lax.stop_gradient(q).astype(self.dtype)
         if self.block_size is None:
             return values * scale
-        blocks = _codes.split_blocks(values, self.block_size) * scale[..., None]
-        return blocks.reshape(values.shape)
+        k = self.block_axis
+        values = _codes.to_last(values, k)
+        blocks = _codes.split_blocks(values, self.block_size)
+        out = blocks * _codes.to_last(scale, k)[..., None]
+        return _codes.from_last(out.reshape(values.shape), k)
 
     def field_dims(self) -> dict[str, tuple[int | None, ...]]:
         """Per channel: as `Int8Weight` (scales along the channel axes only);
@@ -444,6 +510,8 @@ class IntKWeight(QuantizedWeight):
     the least significant bit of byte 0. A row of ``n`` numbers takes ``n * bits / 8``
     bytes, and each group whole bytes (``group_size * bits`` a multiple of 8: any
     ``group_size`` divisible by 8 does). With ``bits=4`` the bytes are `Int4Weight`'s.
+    With ``block_axis`` (another axis than the last), groups and bit streams run
+    along that axis instead.
 
     Examples:
         >>> q = qax.quant.IntKWeight.from_array(jnp.ones((4, 64)), bits=3, group_size=32)
@@ -455,6 +523,8 @@ class IntKWeight(QuantizedWeight):
       scale: ``(*lead, n // group_size)`` floating-point scales.
       bits: bits per number, 2 to 8.
       group_size: numbers per scale.
+      block_axis: the axis the groups and bit streams run along, counted from the end
+        of one weight's axes: -1, the last axis (the default).
     """
 
     __module__ = "qax.quant"
@@ -463,6 +533,7 @@ class IntKWeight(QuantizedWeight):
     scale: qax.ArrayValue = qax.array_field(ndim="weight_ndim", stored=True)
     bits: int = qax.aux_field()
     group_size: int = qax.aux_field(default=64)
+    block_axis: int = qax.aux_field(default=-1)
 
     _ARRAYS = ("packed", "scale")
 
@@ -471,12 +542,19 @@ class IntKWeight(QuantizedWeight):
         super().__post_init__()
 
     def compute_shape(self) -> tuple[int, ...]:
-        *lead, n_bytes = self.packed.shape
-        return (*lead, n_bytes * 8 // self.bits)
+        n_codes, n_bytes = _codes.chunk(self.bits)
+        shape = list(self.packed.shape)
+        shape[self.block_axis] = shape[self.block_axis] // n_bytes * n_codes
+        return tuple(shape)
 
     @classmethod
     def from_array(
-        cls, w: jax.Array, bits: int, group_size: int = 64, batch_ndim: int = 0
+        cls,
+        w: jax.Array,
+        bits: int,
+        group_size: int = 64,
+        batch_ndim: int = 0,
+        block_axis: int = -1,
     ) -> IntKWeight:
         """Quantize ``w`` group-wise along its last axis to ``bits``-bit integers in
         ``[-2**(bits-1), 2**(bits-1) - 1]``, one scale per group (from 4 bits, the
@@ -486,35 +564,42 @@ class IntKWeight(QuantizedWeight):
         Args:
           w: a floating-point weight.
           bits: bits per number, 2 to 8.
-          group_size: numbers per scale; it must divide the last axis, and
-            ``group_size * bits`` must be a multiple of 8.
+          group_size: numbers per scale; it must divide the last axis (or
+            ``block_axis``), and ``group_size * bits`` must be a multiple of 8.
           batch_ndim: leading axes that stack independent weights (scanned layers).
+          block_axis: the axis of one weight the groups run along (``-2``: the input
+            axis of a Flax ``(in, out)`` kernel).
 
         Returns:
           The quantized weight.
 
         Raises:
           ValueError: ``bits`` is not an integer from 2 to 8, or ``group_size`` does
-            not fit the last axis.
+            not fit the blocks' axis.
         """
         _check_bits(bits)
         w = jnp.asarray(w)
+        k = _block_axis(cls, w, block_axis, batch_ndim)
         unit = _codes.chunk(bits)[0]
-        _check_last_axis(
+        _check_block_axis(
             cls,
             w.shape,
             "group_size",
             group_size,
+            k,
             unit=unit,
             why=f"each group of {bits}-bit numbers fills whole bytes",
         )
-        packed, scale = _codes.encode_intk(w, bits, group_size)
-        return cls(packed, scale, bits, group_size, weight_ndim=w.ndim - batch_ndim)
+        packed, scale = _codes.encode_intk(w, bits, group_size, k)
+        return cls(packed, scale, bits, group_size, k, weight_ndim=w.ndim - batch_ndim)
 
     def _decode(self, packed: Any, scale: Any) -> jax.Array:
-        values = _codes.unpack_bits(packed, self.bits) - 2 ** (self.bits - 1)
-        groups = _codes.split_blocks(values.astype(self.dtype), self.group_size)
-        return (groups * scale[..., None]).reshape(values.shape)
+        k = self.block_axis
+        codes = _codes.unpack_bits(_codes.to_last(packed, k), self.bits)
+        values = (codes - 2 ** (self.bits - 1)).astype(self.dtype)
+        groups = _codes.split_blocks(values, self.group_size)
+        out = groups * _codes.to_last(scale, k)[..., None]
+        return _codes.from_last(out.reshape(values.shape), k)
 
 
 def _check_bits(bits: Any) -> None:
@@ -525,24 +610,49 @@ def _check_bits(bits: Any) -> None:
         )
 
 
-def _check_last_axis(
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _widened(shape: tuple, axis: int, factor: int) -> tuple[int, ...]:
+    """``shape`` with axis ``axis`` ``factor`` times as long (packed codes -> numbers)."""
+    out = list(shape)
+    out[axis] *= factor
+    return tuple(out)
+
+
+def _block_axis(cls: type, w: jax.Array, axis: Any, batch_ndim: int) -> int:
+    """``axis`` of one weight (the last ``w.ndim - batch_ndim`` axes of ``w``), counted
+    from the end, checked."""
+    rank = w.ndim - batch_ndim if _is_int(batch_ndim) else w.ndim
+    if not (_is_int(axis) and rank > 0 and -rank <= axis < rank):
+        raise ValueError(
+            _BAD_BLOCK_AXIS.format(
+                cls=cls.__name__, axis=axis, shape=tuple(w.shape), rank=rank
+            )
+        )
+    return int(axis) - rank if axis >= 0 else int(axis)
+
+
+def _check_block_axis(
     cls: type,
     shape: tuple,
     what: str,
     size: Any,
+    axis: int = -1,
     unit: int = 1,
     why: str = "",
 ) -> None:
-    last = shape[-1] if shape else 0
-    ok = isinstance(size, (int, np.integer)) and not isinstance(size, bool)
-    if not shape or not ok or size <= 0 or size % unit or last % size:
+    n = shape[axis] if shape else 0
+    if not shape or not _is_int(size) or size <= 0 or size % unit or n % size:
         raise ValueError(
-            _LAST_AXIS.format(
+            _BLOCK_AXIS.format(
                 cls=cls.__name__,
+                where="the last axis" if axis == -1 else f"axis {axis} (block_axis)",
                 shape=tuple(shape),
                 what=what,
                 size=size,
-                last=last,
+                last=n,
                 unit=f" (and {what} a multiple of {unit}: {why})" if unit > 1 else "",
                 hint=f" and is a multiple of {unit}" if unit > 1 else "",
             )
@@ -555,13 +665,15 @@ def _quantize_blocks(
     what: str,
     size: int,
     batch_ndim: int,
+    block_axis: int,
     encode: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]],
 ) -> QuantizedWeight:
-    """The 4-bit formats' `from_array`: blocks of `size` along the last axis, each
+    """The 4-bit formats' `from_array`: blocks of `size` along ``block_axis``, each
     coded by ``encode(blocks, absmax) -> (codes 0..15, scales)``, codes packed."""
     w = jnp.asarray(w)
-    _check_last_axis(
-        cls, w.shape, what, size, unit=2, why="two 4-bit numbers share a byte"
+    k = _block_axis(cls, w, block_axis, batch_ndim)
+    _check_block_axis(
+        cls, w.shape, what, size, k, unit=2, why="two 4-bit numbers share a byte"
     )
-    packed, scale = _codes.encode_packed(w, size, encode)
-    return cls(packed, scale, size, weight_ndim=w.ndim - batch_ndim)
+    packed, scale = _codes.encode_packed(w, size, encode, k)
+    return cls(packed, scale, size, k, weight_ndim=w.ndim - batch_ndim)
