@@ -15,10 +15,11 @@ Every kernel is quantized (`qax.lora.default_filter`: the three 64x64 matrices).
    The held-out loss of each quantized model; the gain is PTQ loss / QAT loss.
 3. Where qwix (0.1.8) has the format, the same with qwix on the same weights: its PTQ
    (`qwix.PtqProvider`) of the PTQ run's weights, and its QAT (`qwix.QtProvider`,
-   weights only) from the step-1 weights, then its PTQ of the result. qwix's block
-   formats tile the contraction (input) axis, qax's the last (output) axis, with the
+   weights only) from the step-1 weights, then its PTQ of the result. Block formats
+   tile the contraction (input) axis on both sides (qax: ``block_axis=-2``), with the
    same block size (the same number of scales); per-channel formats scale each output
-   channel in both.
+   channel in both. One more column: qax's PTQ with its default blocks, along the
+   last (output) axis.
 
 Run from the repository root:
 
@@ -148,11 +149,13 @@ def main() -> None:
 
     for fmt in formats:
         options = {"group_size" if fmt.startswith("int") else "block_size": BLOCK}
-        options = options if is_block_format(fmt) else {}
+        last = options if is_block_format(fmt) else {}
+        options = {**last, "block_axis": -2} if last else {}
         ptq = float(eval_loss(qax.quant.quantize(dense, fmt, **options)))
+        ptq_last = float(eval_loss(qax.quant.quantize(dense, fmt, **last)))
         qat = train(qax.qat.fake_quantize(base, fmt, **options), steps, 1e-3)
         qat_loss = float(eval_loss(qax.qat.convert(qat)))
-        row = {"fmt": fmt, "ptq": ptq, "qat": qat_loss}
+        row = {"fmt": fmt, "ptq": ptq, "qat": qat_loss, "ptq_last": ptq_last}
         qtype = qwix_qtype(fmt)
         if qwix is not None and qtype is not None:
             row.update(qwix_numbers(qwix, model, qtype, fmt, base, dense, steps))
@@ -163,14 +166,15 @@ def main() -> None:
         f"{dense_steps} steps, {float(eval_loss(dense)):.4g} after {steps} more "
         f"(qax {qax.__version__}, JAX {jax.__version__}"
         + (f", qwix {qwix.__version__}" if qwix else "")
-        + f"; block formats: blocks of {BLOCK})."
+        + f"; block formats: blocks of {BLOCK} along the input axis, qax's "
+        "block_axis=-2)."
     )
     print()
     print(
         "| format | qax PTQ | qax QAT | qax gain (PTQ / QAT) "
-        "| qwix PTQ | qwix QAT | qwix gain |"
+        "| qwix PTQ | qwix QAT | qwix gain | qax PTQ, blocks along the last axis |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         q = (
             f"{r['qwix_ptq']:.4g} | {r['qwix_qat']:.4g} | "
@@ -180,7 +184,8 @@ def main() -> None:
         )
         print(
             f"| {r['fmt']} | {r['ptq']:.4g} | {r['qat']:.4g} | "
-            f"{r['ptq'] / r['qat']:.2f}x | {q} |"
+            f"{r['ptq'] / r['qat']:.2f}x | {q} | "
+            + (f"{r['ptq_last']:.4g} |" if r["ptq_last"] != r["ptq"] else "(same) |")
         )
     print()
     print(f"({time.perf_counter() - start:.0f} s)")

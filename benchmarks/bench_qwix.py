@@ -70,6 +70,21 @@ PEFT_RULES = [
     (r".*/q_einsum/kernel/value", {"a_axes": (1,)}),  # (N, D, H): a (D, r)
     (r".*/(kv|qkv)_einsum/kernel/value", {"a_axes": (2,)}),  # (2|3, K, D, H): a (D, r)
 ]
+
+
+# NF4 blocks as qwix tiles them: along the contracted axis (`block_axis=-2`: `d_model`
+# of the Q/KV kernels, the input of the MLP layers). On the output kernel `(heads,
+# head_dim, d_model)`, which contracts two axes, qwix keeps one scale per `d_model`
+# column (over all heads); qax's blocks run along one axis: heads * head_dim
+# consecutive numbers along `d_model` instead, the same number of scales.
+def nf4_rules(cfg: T.TransformerConfig) -> list:
+    per_column = cfg.num_heads * cfg.head_dim
+    if cfg.embed_dim % per_column:
+        return []
+    options = {"block_size": per_column, "block_axis": -1}
+    return [(r".*/attn_vec_einsum/kernel/value", options)]
+
+
 # The kernels both libraries adapt (qwix matches module paths).
 QWIX_MODULES = r"layers/\d+/(attn|mlp)/.*"
 
@@ -109,6 +124,7 @@ def config(args: argparse.Namespace) -> tuple[T.TransformerConfig, dict]:
     run["steps"] = args.steps or run["steps"]
     run["reps"] = args.reps or run["reps"]
     run["alpha"] = 2.0 * run["rank"]
+    run["rules"] = nf4_rules(cfg)
     return cfg, run
 
 
@@ -142,7 +158,9 @@ def qax_side(model: nnx.Module, run: dict, quantized: bool) -> tuple[Side, Any]:
     """qax's recipe; also returns its LoRA state (to copy its `a` factors)."""
     params = nnx.state(model, nnx.Param)
     if quantized:
-        params = qax.quant.quantize(params, "nf4", block_size=run["block"])
+        params = qax.quant.quantize(
+            params, "nf4", block_size=run["block"], block_axis=-2, rules=run["rules"]
+        )
     params = qax.lora.loraify(
         params,
         run["rank"],
