@@ -12,6 +12,11 @@ import re
 import subprocess
 import sys
 
+import pytest
+
+# Whole models and documents on qax's machinery: no leak checking (tests/conftest.py).
+pytestmark = pytest.mark.no_leak_check
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "bench_big_qlora.py"
 

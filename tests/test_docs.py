@@ -19,6 +19,9 @@ import pytest
 
 import qax
 
+# Whole models and documents on qax's machinery: no leak checking (tests/conftest.py).
+pytestmark = pytest.mark.no_leak_check
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 # Pages whose code only illustrates (the architecture notes) or is run elsewhere.

@@ -13,6 +13,9 @@ import pytest
 
 import qax
 
+# Whole models and documents on qax's machinery: no leak checking (tests/conftest.py).
+pytestmark = pytest.mark.no_leak_check
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "notebooks" / "lora_finetune.py"
 TINY = [

@@ -11,6 +11,9 @@ import pytest
 import qax
 from tests.helpers import LoraKernel, assert_close, lora_kernel
 
+# Whole models and documents on qax's machinery: no leak checking (tests/conftest.py).
+pytestmark = pytest.mark.no_leak_check
+
 nnx = pytest.importorskip("flax.nnx")
 treescope = pytest.importorskip("treescope")
 qnnx = pytest.importorskip("qax.nnx")

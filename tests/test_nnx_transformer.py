@@ -26,6 +26,9 @@ import pytest
 import qax
 from tests.helpers import assert_close
 
+# Whole models and documents on qax's machinery: no leak checking (tests/conftest.py).
+pytestmark = pytest.mark.no_leak_check
+
 nnx = pytest.importorskip("flax.nnx")
 qnnx = pytest.importorskip("qax.nnx")
 T = pytest.importorskip("qax.examples.nnx_transformer")

@@ -7,7 +7,11 @@ import shutil
 import sys
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
+
+# Whole models and documents on qax's machinery: no leak checking (tests/conftest.py).
+pytestmark = pytest.mark.no_leak_check
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "How_to_Qax.ipynb"

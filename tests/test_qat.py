@@ -19,6 +19,9 @@ from qax.qat import FakeQuant, convert, fake_quantize
 from qax.testing import check_handler
 from tests.helpers import all_eqns, check_equation, find_eqn
 
+# Whole models and documents on qax's machinery: no leak checking (tests/conftest.py).
+pytestmark = pytest.mark.no_leak_check
+
 # Every format name `qax.quant.quantize` may accept; those it does not (yet) accept in
 # this build are skipped, so new formats are covered as soon as they exist.
 CANDIDATES = ["int8", "int4", "nf4", "fp8_e4m3", "fp8_e5m2"] + [

@@ -8,8 +8,12 @@ import warnings
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import qax
+
+# Whole models and documents on qax's machinery: no leak checking (tests/conftest.py).
+pytestmark = pytest.mark.no_leak_check
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 

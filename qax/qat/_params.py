@@ -170,7 +170,8 @@ def fake_quantize(
             f"fake_quantize(..., {fmt!r}) kept {len(skipped)} weight(s) in full "
             f"precision: the format cannot hold them with options {options}: "
             f"{', '.join(skipped)}. Pass options that fit them (a block size that "
-            "divides the last axis), or a `filter` that leaves them out.",
+            "divides the blocks' axis: the last, or block_axis=), per-path rules=, or "
+            "a `filter` that leaves them out.",
             stacklevel=2,
         )
     return out
