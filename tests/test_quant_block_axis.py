@@ -227,3 +227,18 @@ def test_checkpoint_written_before_block_axis_restores_the_last_axis():
         rebuilt = qax.checkpoint.rebuild(raw, desc)["w"]
     assert isinstance(rebuilt, NF4Weight) and rebuilt.block_axis == -1
     np.testing.assert_array_equal(rebuilt.dequantize(), q.dequantize())
+
+
+def test_quantize_checks_the_blocks_axis_of_stacked_weights():
+    # Two stacked (48, 32) weights: block_axis=0 is the 48 of one weight (a multiple
+    # of 16), not the stacking axis of 2.
+    stack = {"layers": {"kernel": normal((2, 48, 32), seed=17)}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = qax.quant.quantize(
+            stack, "nf4", block_size=16, block_axis=0, batch_ndim=1
+        )
+    q = out["layers"]["kernel"]
+    assert (
+        isinstance(q, NF4Weight) and q.block_axis == -2 and q.absmax.shape == (2, 3, 32)
+    )

@@ -69,10 +69,13 @@ def _fits(cls: type, leaf: Any, options: dict) -> bool:
     if cls is Int8Weight:
         return True
     size = _skip_size(cls, options)
-    axis = options.get("block_axis", -1)
-    if not isinstance(axis, int) or not -leaf.ndim <= axis < leaf.ndim:
+    axis, nb = options.get("block_axis", -1), options.get("batch_ndim", 0)
+    if not (isinstance(axis, int) and isinstance(nb, int)):
+        return True  # a bad axis is from_array's error; a batch_ndim function: later
+    rank = leaf.ndim - nb  # of one weight; `block_axis` counts within it
+    if not -rank <= axis < rank:
         return True  # from_array names the bad axis
-    n = leaf.shape[axis]
+    n = leaf.shape[axis - rank if axis >= 0 else axis]
     if issubclass(cls, (FP8Weight, IntKWeight)):  # a bad size is from_array's error
         return size is None or not isinstance(size, int) or n % size == 0
     return size % 2 == 0 and n % size == 0
