@@ -242,3 +242,14 @@ def test_quantize_checks_the_blocks_axis_of_stacked_weights():
     assert (
         isinstance(q, NF4Weight) and q.block_axis == -2 and q.absmax.shape == (2, 3, 32)
     )
+
+
+def test_sharding_specs_follow_the_weights_dimensions():
+    # Codes and scales keep the weight's layout (the blocks' axis shortened), so each
+    # field is split as the weight is, whatever axis the blocks run along.
+    from jax.sharding import PartitionSpec as P
+
+    for axis in (-1, -2):
+        q = NF4Weight.from_array(normal((64, 32)), block_size=16, block_axis=axis)
+        specs = qax.sharding.implicit_specs({"k": q}, {"k": P("data", "model")})["k"]
+        assert specs.packed == P("data", "model") and specs.absmax == P("data", "model")
