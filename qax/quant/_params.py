@@ -65,13 +65,14 @@ def _skip_size(cls: type, options: dict) -> Any:
     return _block_size(options)
 
 
-def _fits(cls: type, leaf: Any, options: dict) -> bool:
+def _fits(cls: type, leaf: Any, options: dict, name: str) -> bool:
     if cls is Int8Weight:
         return True
     size = _skip_size(cls, options)
     axis, nb = options.get("block_axis", -1), options.get("batch_ndim", 0)
+    nb = nb(name, leaf) if callable(nb) else nb
     if not (isinstance(axis, int) and isinstance(nb, int)):
-        return True  # a bad axis is from_array's error; a batch_ndim function: later
+        return True  # from_array names the bad setting
     rank = leaf.ndim - nb  # of one weight; `block_axis` counts within it
     if not -rank <= axis < rank:
         return True  # from_array names the bad axis
@@ -152,7 +153,7 @@ def quantize(
             return filter(path, leaf)
         if not default_filter(path, leaf):
             return False
-        if not _fits(cls, leaf, options):
+        if not _fits(cls, leaf, options, path):
             skipped.append(f"{path} {tuple(leaf.shape)}")
             return False
         return True
