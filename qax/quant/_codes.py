@@ -62,6 +62,13 @@ def from_last(x: jax.Array, axis: int) -> jax.Array:
     return x if axis == -1 else jnp.moveaxis(x, -1, axis)
 
 
+def scale_blocks(values: jax.Array, scale: Any, size: int, axis: int) -> jax.Array:
+    """The decoded weight: ``values`` (the blocks' axis last, as `to_last` leaves it)
+    times one scale per ``size`` numbers (``scale`` as stored), moved back to ``axis``."""
+    blocks = split_blocks(values, size) * to_last(scale, axis)[..., None]
+    return from_last(blocks.reshape(values.shape), axis)
+
+
 def chunk(bits: int) -> tuple[int, int]:
     """The shortest byte-aligned run of ``bits``-bit codes: (codes, bytes)."""
     common = math.gcd(8, bits)
@@ -133,9 +140,8 @@ def encode_fp8(
     axis: int = -1,
 ) -> tuple[jax.Array, jax.Array]:
     """`FP8Weight.from_array`'s codes and scales: per channel (the absmax over the
-    ``reduced`` axes) or per block of ``block_size`` along ``axis``."""
-    if block_size is not None:
-        w = to_last(w, axis)
+    ``reduced`` axes) or per block of ``block_size`` along ``axis`` (-1 per channel)."""
+    w = to_last(w, axis)
     if block_size is None:
         absmax = jnp.max(jnp.abs(w), axis=reduced, keepdims=True)
     else:
@@ -145,8 +151,6 @@ def encode_fp8(
     wide = scale if block_size is None else jnp.repeat(scale, block_size, axis=-1)
     ratio = w.astype(jnp.float32) / wide.astype(jnp.float32)
     q = jnp.clip(ratio, -largest, largest).astype(dtype)
-    if block_size is None:
-        return q, scale
     return from_last(q, axis), from_last(scale, axis)
 
 

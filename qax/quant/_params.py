@@ -22,6 +22,8 @@ from ._types import (
     IntKWeight,
     NF4Weight,
     QuantizedWeight,
+    _axis_words,
+    _block_axis,
 )
 
 # ----------------------------------------------------------------------------------------
@@ -69,14 +71,13 @@ def _fits(cls: type, leaf: Any, options: dict, name: str) -> bool:
     if cls is Int8Weight:
         return True
     size = _skip_size(cls, options)
-    axis, nb = options.get("block_axis", -1), options.get("batch_ndim", 0)
+    nb = options.get("batch_ndim", 0)
     nb = nb(name, leaf) if callable(nb) else nb
-    if not (isinstance(axis, int) and isinstance(nb, int)):
+    try:  # the axis within one weight, from the end
+        axis = _block_axis(cls, leaf, options.get("block_axis", -1), nb)
+    except ValueError:
         return True  # from_array names the bad setting
-    rank = leaf.ndim - nb  # of one weight; `block_axis` counts within it
-    if not -rank <= axis < rank:
-        return True  # from_array names the bad axis
-    n = leaf.shape[axis - rank if axis >= 0 else axis]
+    n = leaf.shape[axis]
     if issubclass(cls, (FP8Weight, IntKWeight)):  # a bad size is from_array's error
         return size is None or not isinstance(size, int) or n % size == 0
     return size % 2 == 0 and n % size == 0
@@ -115,8 +116,7 @@ def quantize(
         weight's path decides for it: ``settings`` is a dict with a ``"format"`` and
         options overriding this call's (``axis``, ``group_size``, ``block_size``,
         ``block_axis``, ``batch_ndim``, ``bits``, ``fp8_dtype``), the weight then chosen
-        whatever
-        ``filter`` says; or ``None``, to keep it dense. Weights no pattern matches
+        whatever ``filter`` says; or ``None``, to keep it dense. Weights no pattern matches
         follow ``filter``, ``fmt`` and ``options``. E.g. ``rules=[(".*/attn/.*",
         {"format": "int8"}), (".*/head/.*", None)]``. A rule that picks another
         format than the call's takes, of the call's options, ``batch_ndim``, ``axis``
@@ -188,18 +188,14 @@ def quantize(
     if skipped:
         warnings.warn(
             f"quantize(..., {cls.__name__}) kept {len(skipped)} weight(s) unquantized: "
-            f"their {_axis_name(options)} is not a multiple of the block size "
+            f"{_axis_words(options.get('block_axis', -1))} of each is not a multiple "
+            "of the block size "
             f"{_skip_size(cls, options)}: {', '.join(skipped)}. Pass a block size that "
             "divides it (block_size= for nf4 and fp8, group_size= for int4 and "
             "int2...int7; or per-path rules=), or a `filter` that leaves them out.",
             stacklevel=2,
         )
     return out
-
-
-def _axis_name(options: dict) -> str:
-    axis = options.get("block_axis", -1)
-    return "last axis" if axis == -1 else f"axis {axis} (block_axis)"
 
 
 def quantize_dequantize(

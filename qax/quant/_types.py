@@ -244,7 +244,7 @@ class _PackedFourBits(QuantizedWeight):
     __module__ = "qax.quant"
 
     def compute_shape(self) -> tuple[int, ...]:
-        return _widened(self.packed.shape, self.block_axis, 2)
+        return _unpacked_shape(self.packed.shape, self.block_axis, 2, 1)
 
 
 class Int4Weight(_PackedFourBits):
@@ -305,9 +305,7 @@ class Int4Weight(_PackedFourBits):
     def _decode(self, packed: Any, scale: Any) -> jax.Array:
         k = self.block_axis
         values = _codes.unpack4(_codes.to_last(packed, k)).astype(jnp.int32) - 8
-        groups = _codes.split_blocks(values.astype(self.dtype), self.group_size)
-        out = groups * _codes.to_last(scale, k)[..., None]
-        return _codes.from_last(out.reshape(values.shape), k)
+        return _codes.scale_blocks(values.astype(self.dtype), scale, self.group_size, k)
 
 
 class NF4Weight(_PackedFourBits):
@@ -365,11 +363,9 @@ class NF4Weight(_PackedFourBits):
 
     def _decode(self, packed: Any, absmax: Any) -> jax.Array:
         k = self.block_axis
-        codes = _codes.unpack4(_codes.to_last(packed, k))
-        levels = jnp.asarray(NF4_LEVELS, self.dtype)[codes]
-        blocks = _codes.split_blocks(levels, self.block_size)
-        out = blocks * _codes.to_last(absmax, k)[..., None]
-        return _codes.from_last(out.reshape(levels.shape), k)
+        levels = jnp.asarray(NF4_LEVELS, self.dtype)
+        values = levels[_codes.unpack4(_codes.to_last(packed, k))]
+        return _codes.scale_blocks(values, absmax, self.block_size, k)
 
 
 class FP8Weight(QuantizedWeight):
@@ -485,10 +481,7 @@ class FP8Weight(QuantizedWeight):
         if self.block_size is None:
             return values * scale
         k = self.block_axis
-        values = _codes.to_last(values, k)
-        blocks = _codes.split_blocks(values, self.block_size)
-        out = blocks * _codes.to_last(scale, k)[..., None]
-        return _codes.from_last(out.reshape(values.shape), k)
+        return _codes.scale_blocks(_codes.to_last(values, k), scale, self.block_size, k)
 
     def field_dims(self) -> dict[str, tuple[int | None, ...]]:
         """Per channel: as `Int8Weight` (scales along the channel axes only);
@@ -542,10 +535,9 @@ class IntKWeight(QuantizedWeight):
         super().__post_init__()
 
     def compute_shape(self) -> tuple[int, ...]:
-        n_codes, n_bytes = _codes.chunk(self.bits)
-        shape = list(self.packed.shape)
-        shape[self.block_axis] = shape[self.block_axis] // n_bytes * n_codes
-        return tuple(shape)
+        return _unpacked_shape(
+            self.packed.shape, self.block_axis, *_codes.chunk(self.bits)
+        )
 
     @classmethod
     def from_array(
@@ -597,9 +589,7 @@ class IntKWeight(QuantizedWeight):
         k = self.block_axis
         codes = _codes.unpack_bits(_codes.to_last(packed, k), self.bits)
         values = (codes - 2 ** (self.bits - 1)).astype(self.dtype)
-        groups = _codes.split_blocks(values, self.group_size)
-        out = groups * _codes.to_last(scale, k)[..., None]
-        return _codes.from_last(out.reshape(values.shape), k)
+        return _codes.scale_blocks(values, scale, self.group_size, k)
 
 
 def _check_bits(bits: Any) -> None:
@@ -614,11 +604,17 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
-def _widened(shape: tuple, axis: int, factor: int) -> tuple[int, ...]:
-    """``shape`` with axis ``axis`` ``factor`` times as long (packed codes -> numbers)."""
+def _unpacked_shape(shape: tuple, axis: int, codes: int, bytes_: int) -> tuple:
+    """The weight's shape from its packed codes' ``shape``: ``codes`` numbers in every
+    ``bytes_`` bytes along ``axis``."""
     out = list(shape)
-    out[axis] *= factor
+    out[axis] = out[axis] // bytes_ * codes
     return tuple(out)
+
+
+def _axis_words(axis: int) -> str:
+    """The blocks' axis in messages."""
+    return "the last axis" if axis == -1 else f"axis {axis} (block_axis)"
 
 
 def _block_axis(cls: type, w: jax.Array, axis: Any, batch_ndim: int) -> int:
@@ -648,7 +644,7 @@ def _check_block_axis(
         raise ValueError(
             _BLOCK_AXIS.format(
                 cls=cls.__name__,
-                where="the last axis" if axis == -1 else f"axis {axis} (block_axis)",
+                where=_axis_words(axis),
                 shape=tuple(shape),
                 what=what,
                 size=size,
