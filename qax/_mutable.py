@@ -79,9 +79,40 @@ def capture(originals: list, rebuilt: Any) -> list[tuple[Any, Any, Any]] | None:
     return [(o, c, c.get_raw_value()) for o, c in zip(originals, copies) if o is not c]
 
 
+def _kept_elsewhere(original: Any, error: Exception) -> bool:
+    """Whether `error`, raised by setting `original`, means: a `Param` owned by an
+    outer trace, which the call only re-set.
+
+    NNX transforms (`nnx.remat`, `nnx.scan`) set every `Variable` they carry to their
+    outputs, so the copy of a parameter that nothing changed holds a new tracer. A
+    `Param` made under an outer trace (state passed into a `jax.jit`, merged under
+    `jax.grad`, as in the QLoRA recipe) cannot be set from here, and NNX refuses to
+    change it from this trace too: it keeps its value. Other variables (batch
+    statistics) keep NNX's error.
+    """
+    flax_errors = sys.modules.get("flax.errors")
+    nnx = sys.modules.get("flax.nnx")
+    refused = getattr(flax_errors, "TraceContextError", None)
+    param = getattr(nnx, "Param", None)
+    return (
+        refused is not None
+        and isinstance(error, refused)
+        and param is not None
+        and isinstance(original, param)
+    )
+
+
 def write_back(pairs: list[tuple[Any, Any, Any]], to_value: Callable) -> None:
-    """Give each caller's `Variable` the value its copy holds now, if it changed."""
+    """Give each caller's `Variable` the value its copy holds now, if it changed.
+
+    A `Param` that cannot be set from the caller's trace keeps its value (see
+    `_kept_elsewhere`).
+    """
     for original, rebuilt, before in pairs:
         after = rebuilt.get_raw_value()
         if after is not before:
-            original.set_raw_value(jax.tree_util.tree_map(to_value, after))
+            try:
+                original.set_raw_value(jax.tree_util.tree_map(to_value, after))
+            except Exception as error:
+                if not _kept_elsewhere(original, error):
+                    raise

@@ -543,3 +543,47 @@ def test_optimizer_never_moves_a_frozen_base_weight():
     kernel = model.kernel.get_value()
     np.testing.assert_array_equal(kernel.w, w)
     assert not np.allclose(kernel.a, 0.1)
+
+
+# ----------------------------------------------------------------------------------------
+# The QLoRA recipe over a scanned stack whose layer is rematerialized (issue 42, item 1)
+
+
+class RematStack(Stack):
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        @nnx.remat
+        def body(h, block):
+            return block(h)
+
+        return body(x, self.blocks)
+
+
+@pytest.mark.parametrize("quantize", [False, True], ids=["lora", "qlora"])
+def test_split_recipe_over_a_rematerialized_scanned_stack(quantize):
+    model = RematStack(nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    if quantize:
+        params = qax.quant.quantize(params, "nf4", block_size=8, batch_ndim=1)
+    params = qax.lora.loraify(params, 2, key=jax.random.key(1), batch_ndim=1)
+    nnx.update(model, params)
+    graphdef, lora_state, rest = nnx.split(model, LORA, ...)
+    adapters, base = qax.lora.split(lora_state)
+    target = jnp.zeros_like(H)
+
+    def loss(adapters, base, rest):
+        m = nnx.merge(graphdef, qax.lora.combine(adapters, base), rest)
+        out = qax.use_implicit_args(lambda m, x: m(x))(m, H)
+        return jnp.mean((out - target) ** 2)
+
+    def dense_loss(adapters, base, rest):
+        # Variables rebuilt under this trace, as NNX transforms need them.
+        dense = qax.lora.merge(qax.lora.combine(adapters, base))
+        dense, rest = jax.tree.map(lambda x: x, (dense, rest))
+        return jnp.mean((nnx.merge(graphdef, dense, rest)(H) - target) ** 2)
+
+    for run in (jax.value_and_grad, lambda f: jax.jit(jax.value_and_grad(f))):
+        value, grads = run(loss)(adapters, base, rest)
+        want, want_grads = jax.value_and_grad(dense_loss)(adapters, base, rest)
+        assert_close(value, want, rtol=1e-5, atol=1e-6)
+        assert_close(grads, want_grads, rtol=1e-4, atol=1e-6)
