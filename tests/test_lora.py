@@ -991,3 +991,23 @@ def test_vmap_over_a_stack_of_peft_style_weights():
     with qax.materialization_policy(LoraWeight, "error"):
         got = qax.use_implicit_args(fn)(x, stack)
     np.testing.assert_allclose(got, fn(x, stack.materialize()), rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------
+# `batch_ndim` over a whole model: the unstacked weights beside the stack (issue 42, 2)
+
+
+def test_batch_ndim_over_a_whole_model_adapts_the_head_as_one_weight():
+    params = {
+        "layers": {"kernel": normal((3, 8, 16), seed=1)},
+        "head": {"kernel": normal((16, 4), seed=2)},
+    }
+    lora = qax.lora.loraify(params, 2, key=jax.random.key(0), batch_ndim=1)
+    head, layers = lora["head"]["kernel"], lora["layers"]["kernel"]
+    assert isinstance(head, LoraWeight)
+    assert head.a.shape == (16, 2) and head.b.shape == (2, 4)
+    assert layers.a.shape == (3, 8, 2) and layers.b.shape == (3, 2, 16)
+    x = normal((5, 16), seed=3)
+    with qax.materialization_policy(LoraWeight, "error"):
+        got = qax.use_implicit_args(lambda w, x: x @ w)(head, x)
+    np.testing.assert_allclose(got, x @ qax.lora.merge(head), rtol=1e-5, atol=1e-5)

@@ -924,3 +924,26 @@ def test_quantize_by_name_and_rule_quantize_dequantize_and_frozen_codes():
     np.testing.assert_array_equal(moved.q, attn.q)
     np.testing.assert_allclose(moved.scale, attn.scale + 1)
     assert attn.frozen_fields() == ("q",) and head.frozen_fields() == ("packed",)
+
+
+# ----------------------------------------------------------------------------------------
+# `batch_ndim` over a whole model: the unstacked weights beside the stack (issue 42, 2)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "nf4"])
+def test_batch_ndim_over_a_whole_model_quantizes_the_head_as_one_weight(fmt):
+    keys = jax.random.split(jax.random.key(0), 2)
+    params = {
+        "layers": {"kernel": jax.random.normal(keys[0], (3, 32, 64))},
+        "head": {"kernel": jax.random.normal(keys[1], (64, 32))},
+    }
+    options = {"block_size": 32} if fmt == "nf4" else {}
+    whole = qax.quant.quantize(params, fmt, batch_ndim=1, **options)
+    alone = qax.quant.quantize(params["head"], fmt, **options)
+    head = whole["head"]["kernel"]
+    assert qax.utils.batch_ndim(head) == 0
+    assert head.nbytes < params["head"]["kernel"].nbytes / 2
+    assert jax.tree.structure(head) == jax.tree.structure(alone["kernel"])
+    for got, want in zip(jax.tree.leaves(head), jax.tree.leaves(alone["kernel"])):
+        np.testing.assert_array_equal(got, want)
+    assert qax.utils.batch_ndim(whole["layers"]["kernel"]) == 1

@@ -121,7 +121,9 @@ def loraify(
         (layers stacked for `lax.scan`), an int or a function of ``(path, leaf)``: each
         layer gets its own factors, ``a`` of shape ``(L, *A, rank)`` and ``b``
         ``(L, rank, *B)``, and `lax.scan` over the stack slices the `LoraWeight`
-        without forming it.
+        without forming it. A chosen weight with fewer than ``batch_ndim + 2`` axes
+        (the 2-D head beside a stack of layers, under ``batch_ndim=1`` for the whole
+        model) is adapted as one unstacked weight.
       rules: per-path settings, like qwix's rules: an ordered list of ``(pattern,
         settings)``. The first pattern (a regular expression) that matches all of a
         weight's path decides for it: ``settings`` is a dict overriding this call's
@@ -177,6 +179,8 @@ def _adapted(name: str, leaf: Any, key: jax.Array, s: dict) -> Any:
     _check_rank(rank)
     nb = s["batch_ndim"](name, leaf) if callable(s["batch_ndim"]) else s["batch_ndim"]
     if len(leaf.shape) - nb < 2:
+        nb = 0  # too few axes for a stack: one weight (the head beside the layers)
+    if len(leaf.shape) < 2:
         return leaf
     lead, shape = tuple(leaf.shape[:nb]), tuple(leaf.shape[nb:])
     a_axes, b_axes = _factor_axes(name, leaf, shape, s)

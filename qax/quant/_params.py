@@ -67,12 +67,21 @@ def _skip_size(cls: type, options: dict) -> Any:
     return _block_size(options)
 
 
+def _stack_ndim(nb: Any, name: str, leaf: Any) -> Any:
+    """The batch dimensions of one weight: ``batch_ndim`` (an int or a function of
+    ``(path, leaf)``), or 0 where the weight has fewer than ``batch_ndim + 2`` axes
+    (the head beside a stack of layers is one unstacked weight)."""
+    nb = nb(name, leaf) if callable(nb) else nb
+    if isinstance(nb, int) and nb > 0 and len(leaf.shape) - nb < 2:
+        return 0
+    return nb
+
+
 def _fits(cls: type, leaf: Any, options: dict, name: str) -> bool:
     if cls is Int8Weight:
         return True
     size = _skip_size(cls, options)
-    nb = options.get("batch_ndim", 0)
-    nb = nb(name, leaf) if callable(nb) else nb
+    nb = _stack_ndim(options.get("batch_ndim", 0), name, leaf)
     try:  # the axis within one weight, from the end
         axis = _block_axis(cls, leaf, options.get("block_axis", -1), nb)
     except ValueError:
@@ -129,7 +138,10 @@ def quantize(
         weight the blocks run along, default -1, the last; ``-2`` groups the input
         axis of Flax ``(in, out)`` kernels, as bitsandbytes and qwix do: a lower error
         on trained weights), ``bits`` (`IntKWeight`), ``fp8_dtype`` (`FP8Weight`),
-        ``batch_ndim`` (stacked layers; an int or a function of ``(path, leaf)``).
+        ``batch_ndim`` (stacked layers; an int or a function of ``(path, leaf)``). A
+        weight with fewer than ``batch_ndim + 2`` axes (the 2-D head beside a stack of
+        layers, under ``batch_ndim=1`` for the whole model) is quantized as one
+        unstacked weight.
 
     Returns:
       ``params`` with quantized weights. Weights trained with quantization-aware
@@ -180,8 +192,8 @@ def quantize(
                 kwargs = _options_for(kind, options)
             kwargs.update(_with_preset(rule_fmt, rule_preset, settings))
             _check_options(kind, kwargs)
-        if callable(kwargs.get("batch_ndim")):
-            kwargs["batch_ndim"] = kwargs["batch_ndim"](name, leaf)
+        if "batch_ndim" in kwargs:
+            kwargs["batch_ndim"] = _stack_ndim(kwargs["batch_ndim"], name, leaf)
         return kind.from_array(leaf, **kwargs)
 
     out = qax.utils.tree_map_with_path_with_implicit(convert, params)
