@@ -1011,3 +1011,22 @@ def test_batch_ndim_over_a_whole_model_adapts_the_head_as_one_weight():
     with qax.materialization_policy(LoraWeight, "error"):
         got = qax.use_implicit_args(lambda w, x: x @ w)(head, x)
     np.testing.assert_allclose(got, x @ qax.lora.merge(head), rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------
+# A quantized stack under factors that do not stack: the fix follows from the mistake
+# (issue 42, item 7)
+
+
+def test_loraify_without_batch_ndim_over_a_quantized_stack_names_loraify_batch_ndim():
+    stack = qax.quant.quantize(
+        {"w": normal((3, 32, 16))}, "nf4", block_size=16, batch_ndim=1
+    )
+    with pytest.raises(ValueError) as info:
+        qax.lora.loraify(stack, 2, key=jax.random.key(0))
+    text = str(info.value)
+    assert "loraify(..., batch_ndim=1)" in text, text
+    assert "batch_ndim=0" not in text, text
+    # Following the advice works.
+    fixed = qax.lora.loraify(stack, 2, key=jax.random.key(0), batch_ndim=1)
+    assert fixed["w"].b.shape == (3, 2, 16)

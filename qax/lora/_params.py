@@ -190,9 +190,12 @@ def _adapted(name: str, leaf: Any, key: jax.Array, s: dict) -> Any:
     a = jax.random.normal(k, (*lead, *a_shape, rank), jnp.float32)
     a = (a / np.sqrt(math.prod(a_shape))).astype(factor_dtype)
     b = jnp.zeros((*lead, rank, *(shape[i] for i in b_axes)), factor_dtype)
-    return LoraWeight(
-        leaf, a, b, alpha=s["alpha"], freeze_w=s["freeze_w"], a_axes=a_axes
-    )
+    try:
+        return LoraWeight(
+            leaf, a, b, alpha=s["alpha"], freeze_w=s["freeze_w"], a_axes=a_axes
+        )
+    except ValueError as error:  # name the weight
+        raise ValueError(f"loraify, the weight at {name!r}: {error}") from None
 
 
 _BAD_AXES = (

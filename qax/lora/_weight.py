@@ -40,7 +40,16 @@ _BATCHED_BASE = (
     "LoraWeight: `w` is a {cls} of shape {w} with {k} batch dimension(s), but the "
     "factors stack {nb} weight(s) along {nb} leading dimension(s) (a {a}, b {b}). A "
     "stacked LoraWeight needs a `w` stacked the same way, so that slicing a layer "
-    "slices both. For a quantized stack, quantize each layer on its own: "
+    "slices both. {fix}"
+)
+
+# The fix, by which side stacks fewer layers than the other.
+_STACK_THE_FACTORS = (
+    "The base was quantized per layer (batch_ndim={k}): give the factors the same "
+    "stack, `qax.lora.loraify(..., batch_ndim={k})` (the `batch_ndim` of `quantize`)."
+)
+_STACK_THE_BASE = (
+    "For a quantized stack, quantize each layer on its own: "
     "`qax.quant.quantize(params, ..., batch_ndim={nb})`, then "
     "`qax.lora.loraify(..., batch_ndim={nb})`."
 )
@@ -150,9 +159,10 @@ class LoraWeight(qax.ImplicitArray):
             raise ValueError(template.format(w=w, a=a, b=b, axes=given))
         k = qax.utils.batch_ndim(self.w)
         if isinstance(self.w, qax.ImplicitArray) and k is not None and k != nb:
+            fix = (_STACK_THE_FACTORS if nb < k else _STACK_THE_BASE).format(k=k, nb=nb)
             raise ValueError(
                 _BATCHED_BASE.format(
-                    cls=type(self.w).__name__, w=w, k=k, nb=nb, a=a, b=b
+                    cls=type(self.w).__name__, w=w, k=k, nb=nb, a=a, b=b, fix=fix
                 )
             )
         if self.alpha is not None:
