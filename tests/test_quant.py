@@ -947,3 +947,29 @@ def test_batch_ndim_over_a_whole_model_quantizes_the_head_as_one_weight(fmt):
     for got, want in zip(jax.tree.leaves(head), jax.tree.leaves(alone["kernel"])):
         np.testing.assert_array_equal(got, want)
     assert qax.utils.batch_ndim(whole["layers"]["kernel"]) == 1
+
+
+# ----------------------------------------------------------------------------------------
+# The steps in the other order: `quantize(loraify(params))` (issue 42, item 8)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["one", "stack"])
+def test_quantize_after_loraify_quantizes_the_bases(stacked):
+    lead = (3,) if stacked else ()
+    params = {"fc": {"kernel": normal((*lead, 32, 64)), "bias": normal((*lead, 64))}}
+    nb = len(lead)
+    lora = qax.lora.loraify(params, 2, key=jax.random.key(0), batch_ndim=nb)
+    got = qax.quant.quantize(lora, "nf4", block_size=32, batch_ndim=nb)
+    want = qax.lora.loraify(
+        qax.quant.quantize(params, "nf4", block_size=32, batch_ndim=nb),
+        2,
+        key=jax.random.key(0),
+        batch_ndim=nb,
+    )
+    kernel = got["fc"]["kernel"]
+    assert isinstance(kernel, LoraWeight) and isinstance(kernel.w, NF4Weight)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(g, w)
+    # The factors are the ones loraify made.
+    assert kernel.a is lora["fc"]["kernel"].a and kernel.b is lora["fc"]["kernel"].b

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 import qax
-from qax.lora import default_filter
+from qax.lora import LoraWeight, default_filter
 
 from ._types import (
     FP8Weight,
@@ -144,10 +144,13 @@ def quantize(
         unstacked weight.
 
     Returns:
-      ``params`` with quantized weights. Weights trained with quantization-aware
-      training (`qax.qat.FakeQuant`, also as the base of a `qax.lora.LoraWeight`)
-      become exactly the quantized weights they were trained against, in their own
-      format and options, whatever ``fmt`` says; other implicit arrays are kept.
+      ``params`` with quantized weights. The base weight of a `qax.lora.LoraWeight`
+      (``quantize(loraify(params))``) is quantized as the weight at its path would
+      be, stacked as its factors are; the factors stay. Weights trained with
+      quantization-aware training (`qax.qat.FakeQuant`, also as the base of a
+      `qax.lora.LoraWeight`) become exactly the quantized weights they were trained
+      against, in their own format and options, whatever ``fmt`` says; other implicit
+      arrays are kept.
 
     Raises:
       ValueError: an unknown format, an option that contradicts the format's name
@@ -160,7 +163,7 @@ def quantize(
     lookup = qax.utils.path_rules(rules, ("format", *_OPTIONS), "quantize")
     skipped = []  # chosen by the default filter, but the format cannot hold them
 
-    def choose(path: str, leaf: Any) -> bool:
+    def choose(path: str, leaf: Any, options: dict) -> bool:
         if filter is not None:
             return filter(path, leaf)
         if not default_filter(path, leaf):
@@ -170,31 +173,52 @@ def quantize(
             return False
         return True
 
+    def one(name: str, leaf: Any, stack: int | None) -> Any:
+        """`leaf` quantized (or not) as the weight at `name`; `stack`: the batch
+        dimensions of the `LoraWeight` whose base it is."""
+        call = options if stack is None else {**options, "batch_ndim": stack}
+        matched, settings = lookup(name)
+        if matched and settings is None:
+            return leaf
+        if not matched and not choose(name, leaf, call):
+            return leaf
+        kind, kwargs = cls, dict(call)
+        if settings:
+            settings = dict(settings)
+            rule_fmt = settings.pop("format", fmt)
+            kind, rule_preset = _format(rule_fmt)
+            if kind is not cls:  # the call's options that this format takes
+                kwargs = _options_for(kind, call)
+            kwargs.update(_with_preset(rule_fmt, rule_preset, settings))
+            _check_options(kind, kwargs)
+        if stack is not None:
+            kwargs["batch_ndim"] = stack  # the base is stacked as its factors are
+        if "batch_ndim" in kwargs:
+            kwargs["batch_ndim"] = _stack_ndim(kwargs["batch_ndim"], name, leaf)
+        return kind.from_array(leaf, **kwargs)
+
     def convert(path, leaf):
+        if isinstance(leaf, LoraWeight) and not isinstance(leaf.w, qax.ImplicitArray):
+            # `quantize(loraify(params))`: the base inside the LoraWeight.
+            stack = leaf.a.ndim - leaf.a_ndim
+            w = one(qax.utils.path_string(path), leaf.w, stack)
+            if w is leaf.w:
+                return leaf
+            return LoraWeight(
+                w,
+                leaf.a,
+                leaf.b,
+                alpha=leaf.alpha,
+                freeze_w=leaf.freeze_w,
+                a_axes=leaf.a_axes,
+            )
         if isinstance(leaf, qax.ImplicitArray):
             # A `qax.qat.FakeQuant` (also as a LoRA base) becomes the codes it was
             # trained against, in its own format; other implicit arrays stay.
             return qax.qat.convert(leaf)
         if not hasattr(leaf, "shape"):
             return leaf
-        name = qax.utils.path_string(path)
-        matched, settings = lookup(name)
-        if matched and settings is None:
-            return leaf
-        if not matched and not choose(name, leaf):
-            return leaf
-        kind, kwargs = cls, dict(options)
-        if settings:
-            settings = dict(settings)
-            rule_fmt = settings.pop("format", fmt)
-            kind, rule_preset = _format(rule_fmt)
-            if kind is not cls:  # the call's options that this format takes
-                kwargs = _options_for(kind, options)
-            kwargs.update(_with_preset(rule_fmt, rule_preset, settings))
-            _check_options(kind, kwargs)
-        if "batch_ndim" in kwargs:
-            kwargs["batch_ndim"] = _stack_ndim(kwargs["batch_ndim"], name, leaf)
-        return kind.from_array(leaf, **kwargs)
+        return one(qax.utils.path_string(path), leaf, None)
 
     out = qax.utils.tree_map_with_path_with_implicit(convert, params)
     if skipped:
