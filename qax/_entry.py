@@ -191,7 +191,9 @@ def enter_current_trace(values: tuple) -> tuple | None:
     """
     trace = current_trace()
     if isinstance(trace, ImplicitTrace):
-        return tuple(trace.wrap(v) for v in values)
+        return tuple(
+            trace.adopt(v) if isinstance(v, ImplicitBase) else v for v in values
+        )
     if _implicit_trace_below(trace):
         return tuple(box(v) if isinstance(v, ImplicitBase) else v for v in values)
     return None
@@ -305,8 +307,20 @@ def materialize_nested(implicit_arr: Any, full: bool = False) -> Any:
     runs (so their handlers apply); `full=True` repeats until a dense array remains.
     Inside `materialize()` of a type holding another implicit array, the child arrives
     as a tracer of `use_implicit_args`; ``qax.materialize_nested(self.inner)`` then
-    materializes its value (explicitly asked for: no warning).
+    materializes its value (explicitly asked for: no warning). A pytree (a dict of
+    parameters) has each of its implicit leaves materialized so; other leaves stay.
     """
+    kinds = (ImplicitBase, ImplicitTracer)
+    if not isinstance(implicit_arr, kinds):
+        leaves, treedef = jax.tree_util.tree_flatten(
+            implicit_arr, is_leaf=lambda x: isinstance(x, kinds)
+        )
+        if not any(isinstance(x, kinds) for x in leaves):
+            return implicit_arr
+        leaves = [
+            materialize_nested(x, full) if isinstance(x, kinds) else x for x in leaves
+        ]
+        return jax.tree_util.tree_unflatten(treedef, leaves)
     while True:
         if isinstance(implicit_arr, ImplicitBase):
             implicit_arr = use_implicit_args(_materialize_value)(implicit_arr)

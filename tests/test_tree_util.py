@@ -77,3 +77,21 @@ def test_get_common_prefix_transforms_materializes_only_what_differs():
     assert_close(out1[0], jnp.zeros(3))
     assert_close(out2[0], jnp.ones(3))
     assert isinstance(out2[1], Zeros)
+
+
+def test_materialize_nested_of_a_tree_materializes_every_implicit_leaf():
+    """Issue 42, item 9: a dict came back unchanged (implicit compared with implicit)."""
+    lora = make_lora(jax.random.PRNGKey(0))
+    nested = LoraMatrix(Zeros(shape=(3, 4)), jnp.ones((3, 2)), jnp.ones((4, 2)))
+    tree = {"w": lora, "layers": [nested, jnp.ones(3)], "n": None}
+    full = qax.materialize_nested(tree, full=True)
+    leaves = utils.tree_leaves_with_implicit(full)
+    assert not any(isinstance(x, qax.ImplicitArray) for x in leaves), full
+    assert_close(full["w"], lora.w + lora.a @ lora.b.T)
+    assert_close(full["layers"][0], jnp.full((3, 4), 2.0))
+    assert_close(full["layers"][1], jnp.ones(3))
+    assert full["n"] is None
+    # One layer of each implicit leaf (here the only one).
+    one = qax.materialize_nested({"w": lora})
+    assert isinstance(one["w"], jax.Array)
+    assert_close(one["w"], full["w"])
