@@ -9,11 +9,15 @@ Every `ImplicitArray` subclass is registered when the class is created (`registe
   of an implicit array is the dict of its child fields; restoring needs a template of
   the same type, as for any Flax state. Flax is never imported for this: the
   registration waits until something else imports `flax.serialization`.
+
+Plain dataclass pytrees with static fields (`qax.lora.LoraAdapter`) are registered the
+same way by `register_dataclass` (`qax.checkpoint.register_dataclass`).
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import importlib.abc
 import json
 import sys
@@ -236,3 +240,57 @@ def register(cls: type) -> None:
     classes[export_name(cls)] = cls
     _register_export(cls)
     when_imported("flax.serialization", lambda module: _register_flax(module, cls))
+
+
+# ----------------------------------------------------------------------------------------
+# Plain dataclass pytrees with static fields (`qax.checkpoint.register_dataclass`)
+
+
+def data_names(x: Any) -> list[str]:
+    """The attribute names of the children of one dataclass pytree node `x`."""
+    keyed, _ = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
+    return [path[0].name for path, _ in keyed]
+
+
+def static_names(cls: type) -> list[str]:
+    """The fields of a `jax.tree_util.register_dataclass` class marked static."""
+    return [f.name for f in dataclasses.fields(cls) if f.metadata.get("static")]
+
+
+def _register_flax_dataclass(serialization: Any, cls: type) -> None:
+    def to_state_dict(x: Any) -> dict[str, Any]:
+        return {n: serialization.to_state_dict(getattr(x, n)) for n in data_names(x)}
+
+    def from_state_dict(target: Any, state: dict[str, Any]) -> Any:
+        names = data_names(target)
+        missing = [n for n in names if n not in state]
+        if missing:
+            raise ValueError(
+                f"The state dict for {cls.__name__} lacks the field(s) {missing} "
+                f"(it has {sorted(state)}). Restore with a target of the same type "
+                "and fields as the one that was saved."
+            )
+        new = {
+            n: serialization.from_state_dict(getattr(target, n), state[n], name=n)
+            for n in names
+        }
+        return dataclasses.replace(target, **new)
+
+    serialization.register_serialization_state(
+        cls, to_state_dict, from_state_dict, override=True
+    )
+
+
+def register_dataclass(cls: type) -> None:
+    """Register a dataclass pytree (children and static fields) with `jax.export`,
+    Flax and `qax.checkpoint`."""
+    classes[export_name(cls)] = cls
+    dataclasses_by_type[cls] = export_name(cls)
+    _register_export(cls)
+    when_imported(
+        "flax.serialization", lambda module: _register_flax_dataclass(module, cls)
+    )
+
+
+# The dataclass pytrees registered so, by class (for `qax.checkpoint.describe`).
+dataclasses_by_type: dict[type, str] = {}

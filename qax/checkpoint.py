@@ -15,6 +15,8 @@ Examples:
     >>> state = qax.checkpoint.rebuild(raw, ckpt.metadata(path).custom_metadata["qax"])
 
 `describe` is JSON: class names (as registered for `jax.export`) and static metadata.
+The adapters of `qax.lora.split` (`qax.lora.LoraAdapter`, a dataclass pytree registered
+with `register_dataclass`) are described and rebuilt the same way.
 """
 
 from __future__ import annotations
@@ -30,15 +32,62 @@ from ._fields import fields_of
 from ._implicit_array import _pytree_functions
 from ._tree_util import key_value
 
-__all__ = ["describe", "rebuild"]
+__all__ = ["describe", "rebuild", "register_dataclass"]
+
+_NOT_A_DATACLASS = (
+    "register_dataclass: {cls} must be a dataclass registered as a pytree with "
+    "`jax.tree_util.register_dataclass`, its static fields marked "
+    "`dataclasses.field(metadata={{'static': True}})` (as `qax.lora.LoraAdapter`)."
+)
+
+
+def register_dataclass(cls: type) -> type:
+    """Make a dataclass pytree with static fields travel as implicit arrays do.
+
+    A class registered with `jax.tree_util.register_dataclass` (children as pytree
+    children, static fields marked ``metadata={"static": True}``) then serializes with
+    `jax.export` (under the name ``qax:<module>.<qualname>``), has a `flax.serialization`
+    state dict (the dict of its children; restoring needs a template), and is
+    described by `describe` and rebuilt by `rebuild` after a restore without a
+    template. `qax.lora.LoraAdapter` is registered so.
+
+    Examples:
+        >>> @qax.checkpoint.register_dataclass
+        ... @jax.tree_util.register_dataclass
+        ... @dataclasses.dataclass
+        ... class Adapter:
+        ...     a: jax.Array
+        ...     scale: float = dataclasses.field(default=1.0, metadata={"static": True})
+
+    Args:
+      cls: the dataclass.
+
+    Returns:
+      ``cls`` (usable as a decorator).
+
+    Raises:
+      TypeError: ``cls`` is not a dataclass.
+    """
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise TypeError(_NOT_A_DATACLASS.format(cls=cls))
+    _integrations.register_dataclass(cls)
+    return cls
+
+
+def _is_node(x: Any) -> bool:
+    return is_implicit(x) or type(x) in _integrations.dataclasses_by_type
 
 
 def _describe_one(x: Any) -> dict:
     cls, aux = jax.tree_util.tree_structure(x, is_leaf=lambda y: y is not x).node_data()
     fields = {}
-    for name in fields_of(cls).children:
-        child = x.__dict__[name]
-        fields[name] = _describe_one(child) if is_implicit(child) else None
+    if is_implicit(x):
+        names = fields_of(cls).children
+    else:
+        names = _integrations.data_names(x)
+    for name in names:
+        child = getattr(x, name) if not is_implicit(x) else x.__dict__[name]
+        fields[name] = _describe_one(child) if _is_node(child) else None
     return {
         "type": _integrations.export_name(cls),
         "aux": _integrations.encode_aux(aux, cls),
@@ -48,6 +97,9 @@ def _describe_one(x: Any) -> dict:
 
 def describe(tree: Any) -> dict:
     """A JSON description of the implicit arrays in `tree`, for `rebuild`.
+
+    Dataclass pytrees registered with `register_dataclass` (`qax.lora.LoraAdapter`) are
+    described too.
 
     Args:
       tree: the pytree to be saved (parameters, optimizer state, ...).
@@ -65,9 +117,9 @@ def describe(tree: Any) -> dict:
         `jax.export` support in the README).
     """
     found = []
-    keyed, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_implicit)
+    keyed, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_node)
     for path, leaf in keyed:
-        if is_implicit(leaf):
+        if _is_node(leaf):
             found.append({"path": [key_value(k) for k in path], **_describe_one(leaf)})
     return {"format": 1, "implicit": found}
 
@@ -117,6 +169,9 @@ def _build(raw: Any, desc: dict, where: list) -> Any:
             ) from None
         children.append(value if sub is None else _build(value, sub, [*where, name]))
     aux = _integrations.decode_aux(desc["aux"])
+    if cls in _integrations.dataclasses_by_type:
+        static = dict(zip(_integrations.static_names(cls), aux, strict=True))
+        return cls(**dict(zip(desc["fields"], children, strict=True)), **static)
     names = fields_of(cls).aux
     added = _added_since(cls, names[len(aux[0]) :])
     if added is not None:

@@ -169,3 +169,26 @@ def test_adapter_only_checkpoint_is_small(tmp_path, capsys):
         is_leaf=lambda x: isinstance(x, LoraKernel),
     )
     _assert_same(merged, params)
+
+
+def test_adapters_restored_without_template_rebuild_and_combine(tmp_path):
+    """Issue 42, item 6: `describe`/`rebuild` know `qax.lora.LoraAdapter`s."""
+    params = {
+        "w": jax.random.normal(jax.random.key(0), (6, 5)),
+        "v": jax.random.normal(jax.random.key(1), (5, 4, 3)),
+    }
+    lora = qax.lora.loraify(params, 2, key=jax.random.key(2), alpha=4.0, split_at=1)
+    adapters, base = qax.lora.split(lora)
+    path = os.path.join(tmp_path, "adapters")
+    ckpt = ocp.StandardCheckpointer()
+    description = qax.checkpoint.describe(adapters)
+    ckpt.save(path, adapters, custom_metadata={"qax": description})
+    ckpt.wait_until_finished()
+    raw = ckpt.restore(path)
+    saved = ckpt.metadata(path).custom_metadata["qax"]
+    back = qax.checkpoint.rebuild(raw, saved)
+    assert isinstance(back["w"], qax.lora.LoraAdapter) and back["w"].alpha == 4.0
+    got = qax.lora.combine(back, base)
+    want = qax.lora.merge(lora)
+    for name in params:
+        np.testing.assert_array_equal(qax.lora.merge(got)[name], want[name])

@@ -191,3 +191,59 @@ def test_flax_registration_waits_for_flax_import():
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "ok"
+
+
+# ----------------------------------------------------------------------------------------
+# LoRA adapters (`qax.lora.split`) through every serializer (issue 42, item 6)
+
+
+def _adapters():
+    keys = jax.random.split(jax.random.key(3), 3)
+    params = {
+        "q": jax.random.normal(keys[0], (6, 4, 5)),
+        "o": jax.random.normal(keys[1], (5, 6)),
+        "bias": jnp.ones(6),
+    }
+    lora = qax.lora.loraify(
+        params, 2, key=keys[2], alpha=3.0, rules=[("q", {"a_axes": (1,)})]
+    )
+    for name in ("q", "o"):  # non-zero `b`, so that the adapters count
+        lora[name] = dataclasses.replace(lora[name], b=lora[name].b + 0.5)
+    return qax.lora.split(lora)
+
+
+def _adapter_model(adapters, base, x):
+    p = qax.lora.combine(adapters, base)
+    h = jnp.einsum("hd,dhe->he", x, p["q"]).sum(0)
+    return h @ p["o"] + p["bias"]
+
+
+def _same_adapters(got, want):
+    is_adapter = lambda x: isinstance(x, qax.lora.LoraAdapter)  # noqa: E731
+    assert jax.tree.structure(got, is_leaf=is_adapter) == jax.tree.structure(
+        want, is_leaf=is_adapter
+    )
+    for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+def test_flax_bytes_roundtrip_of_lora_adapters():
+    adapters, _ = _adapters()
+    state = serialization.to_state_dict(adapters)
+    assert set(state["q"]) == {"a", "b"}
+    data = serialization.to_bytes(adapters)
+    back = serialization.from_bytes(jax.tree.map(jnp.zeros_like, adapters), data)
+    _same_adapters(back, adapters)
+    assert back["q"].a_axes == (1,) and back["q"].alpha == 3.0
+
+
+def test_export_of_a_function_over_lora_adapters_serializes():
+    adapters, base = _adapters()
+    x = jnp.ones((4, 6))
+    f = jax.jit(qax.use_implicit_args(_adapter_model))
+    exported = jax.export.export(f)(adapters, base, x)
+    restored = jax.export.deserialize(exported.serialize())
+    assert restored.in_tree == exported.in_tree
+    dense = qax.lora.merge(qax.lora.combine(adapters, base))
+    want = jnp.einsum("hd,dhe->he", x, dense["q"]).sum(0) @ dense["o"] + dense["bias"]
+    assert_close(restored.call(adapters, base, x), want, rtol=1e-5, atol=1e-5)

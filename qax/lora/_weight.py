@@ -258,13 +258,16 @@ def _checked_axes(axes: Any, w: tuple, a: tuple, nb: int) -> tuple[int, ...] | N
     return None if given == tuple(range(n)) else given
 
 
+@qax.checkpoint.register_dataclass
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LoraAdapter:
     """The trainable part of one `LoraWeight`: its factors ``a`` and ``b`` (see `split`).
 
     A plain pytree (two array leaves); ``alpha``, ``freeze_w`` and ``a_axes`` are static
-    metadata, so that `combine` rebuilds the same `LoraWeight`.
+    metadata, so that `combine` rebuilds the same `LoraWeight`. Registered with
+    `qax.checkpoint.register_dataclass`: it serializes with `jax.export` and
+    `flax.serialization`, and `qax.checkpoint.describe` / `rebuild` know it.
     """
 
     a: Any
