@@ -37,17 +37,29 @@ Examples:
 
 from __future__ import annotations
 
-from typing import Any
+import math
+import warnings
+from typing import Any, Final
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ._base import ImplicitBase
 from ._partition import Undeclared, expand_spec, field_dims, is_spec_leaf
+from ._tree_util import path_string
 
 __all__ = ["field_dims", "implicit_shardings", "implicit_specs"]
 
 _EXPLICIT = "; or pass an explicit sharding for each leaf."
+
+INDIVISIBLE_LEAF: Final = (
+    "qax.sharding: the field {field!r} of the {cls} at {path!r} has shape {shape}; its "
+    "dimension {dim} (size {n}) cannot be split {ways} ways along mesh axis {axis!r} "
+    "(the spec of the dense array asks for that split of the dimension it runs along; "
+    "block scales have one entry per block). That dimension of the field is "
+    "replicated instead; the other leaves keep the spec. To split it, choose a block "
+    "size that leaves a multiple of {ways} blocks, or a spec along another axis."
+)
 
 
 def _expand(x: Any, spec: PartitionSpec) -> Any:
@@ -121,13 +133,65 @@ def implicit_shardings(tree: Any, specs: Any, mesh: jax.sharding.Mesh) -> Any:
       mesh: the device mesh.
 
     Returns:
-      The pytree of `NamedSharding`s.
+      The pytree of `NamedSharding`s. A dimension of an implicit array's leaf that
+      the mesh cannot split evenly (an NF4 weight of 2 blocks along a dimension split
+      4 ways: its scales have 2 rows) is replicated in that leaf, with a warning that
+      names the weight, the field and the mesh axis; the other leaves keep the spec.
 
     Raises:
       ValueError: as `implicit_specs`.
     """
+    fitted = _fit_to_mesh(tree, implicit_specs(tree, specs), mesh)
     return jax.tree_util.tree_map(
-        lambda spec: NamedSharding(mesh, spec),
-        implicit_specs(tree, specs),
-        is_leaf=is_spec_leaf,
+        lambda spec: NamedSharding(mesh, spec), fitted, is_leaf=is_spec_leaf
+    )
+
+
+def _fit_to_mesh(tree: Any, specs: Any, mesh: jax.sharding.Mesh) -> Any:
+    """`specs` with each dimension of an implicit array's leaf that the mesh cannot
+    split evenly (the block scales of a weight with fewer blocks than devices along
+    the split) replicated, with a warning that names it."""
+    sizes = dict(mesh.shape)
+
+    def ways(entry: Any) -> tuple[int, Any]:
+        names = entry if isinstance(entry, tuple) else (entry,)
+        return math.prod(sizes.get(n, 1) for n in names), entry
+
+    def one(path: Any, spec_node: Any, x: Any) -> Any:
+        if not isinstance(x, ImplicitBase):
+            return spec_node
+        leaves = jax.tree_util.tree_flatten_with_path(x)[0]
+        leaf_specs, treedef = jax.tree_util.tree_flatten(
+            spec_node, is_leaf=is_spec_leaf
+        )
+        out = []
+        for (where, leaf), spec in zip(leaves, leaf_specs, strict=True):
+            entries = list(spec)
+            for dim, entry in enumerate(entries):
+                n = jax.numpy.shape(leaf)[dim]
+                k, axis = ways(entry)
+                if entry is None or n % k == 0:
+                    continue
+                entries[dim] = None
+                warnings.warn(
+                    INDIVISIBLE_LEAF.format(
+                        field=path_string(where),
+                        cls=type(x).__name__,
+                        path=path_string(path),
+                        shape=tuple(jax.numpy.shape(leaf)),
+                        dim=dim,
+                        n=n,
+                        ways=k,
+                        axis=axis,
+                    ),
+                    stacklevel=4,
+                )
+            out.append(PartitionSpec(*entries))
+        return treedef.unflatten(out)
+
+    return jax.tree_util.tree_map_with_path(
+        one,
+        specs,
+        tree,
+        is_leaf=lambda y: isinstance(y, ImplicitBase) or is_spec_leaf(y),
     )

@@ -396,3 +396,29 @@ def test_all_gather_materializes_where_a_kept_leaf_may_differ():
     with pytest.warns(qax.MaterializationWarning, match="check_vma"):
         out = qax.use_implicit_args(_fsdp_matmul(check_vma=False))(w, x)
     assert_close(out, x @ w.materialize())
+
+
+# ----------------------------------------------------------------------------------------
+# Block scales that a mesh axis cannot split (issue 42, item 5)
+
+
+def test_implicit_shardings_replicate_block_scales_a_mesh_axis_cannot_split():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("d", "m"))
+    w = jax.random.normal(keys(1, 9)[0], (64, 32))
+    nf4 = qax.quant.NF4Weight.from_array(w, 32, block_axis=0)  # 2 blocks along rows
+    assert nf4.absmax.shape == (2, 32)
+    params = {"w": nf4, "v": jnp.ones((64, 32))}
+    specs = {"w": P("m", None), "v": P("m", None)}
+    with pytest.warns(UserWarning, match=r"absmax.*'w'.*\(2, 32\).*'m'") as seen:
+        shardings = qax.sharding.implicit_shardings(params, specs, mesh)
+    assert len(seen) == 1, [str(x.message) for x in seen]
+    assert shardings["w"].packed.spec == P("m", None)  # 32 rows of codes: split 4 ways
+    assert shardings["w"].absmax.spec == P(None, None)  # 2 blocks: replicated
+    assert shardings["v"].spec == P("m", None)
+    placed = jax.device_put(params, shardings)
+    x = jax.random.normal(keys(1, 10)[0], (5, 64))
+    got = jax.jit(qax.use_implicit_args(lambda p, x: x @ p["w"] + x @ p["v"]))(
+        placed, x
+    )
+    want = x @ nf4.dequantize() + x @ params["v"]
+    assert_close(got, want, rtol=1e-5, atol=1e-5)
