@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Final
 
 import jax
 import jax.numpy as jnp
@@ -24,11 +24,42 @@ from ._base import NB, is_implicit
 from ._entry import use_implicit_args
 from ._fields import children_of, fields_of, rebuild
 from ._implicit_array import ImplicitArray
+from ._interpreter import ImplicitTracer
 from ._tree_util import key_value
 from .symbols import SymbolicConstant
 
 FREEZE = "freeze"
 TRAIN = "train"
+
+STEP_INSIDE_WRAPPER: Final = (
+    "{what} was called inside `qax.use_implicit_args`, on parameters holding implicit "
+    "arrays (the {cls} at {path}). There each implicit array is one value of its "
+    "dense shape: its gradient is dense, and adding an update to it forms the dense "
+    "array, so the type and its frozen fields would be lost. Keep only the model (the "
+    "loss) inside the wrapper and take the optimizer step outside it:\n\n"
+    "    def loss_fn(params, batch):\n"
+    "        return loss(qax.use_implicit_args(model)(params, batch))\n\n"
+    "    grads = jax.grad(loss_fn)(params, batch)\n"
+    "    updates, opt_state = optimizer.update(grads, opt_state, params)\n"
+    "    params = optax.apply_updates(params, updates)\n\n"
+    "(For LoRA, differentiate with respect to the adapters of `qax.lora.split`, "
+    "`qax.lora.combine` inside the loss: the guide's training recipe.)"
+)
+
+
+def _check_outside_wrapper(what: str, *trees: Any) -> None:
+    """Refuse parameters (or gradients) that are tracers of `use_implicit_args`."""
+    for tree in trees:
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+            if isinstance(leaf, ImplicitTracer):
+                raise RuntimeError(
+                    STEP_INSIDE_WRAPPER.format(
+                        what=what,
+                        cls=type(leaf.value).__name__,
+                        path=jax.tree_util.keystr(path),
+                    )
+                )
+
 
 _partition = getattr(optax, "partition", None) or optax.multi_transform
 _float0 = jax.dtypes.float0
@@ -204,6 +235,8 @@ def freeze_keys(
 
     Raises:
       ValueError: a key that is not a child field of `arr_type`.
+      RuntimeError: (from ``init`` and ``update``) the parameters are implicit arrays
+        inside `qax.use_implicit_args`: the step belongs outside the wrapper.
     """
     keys = _check_keys(arr_type, keys)
 
@@ -230,13 +263,18 @@ def freeze_keys(
     tx = freeze_subtrees(optimizer, label_tree, use_scalar_zeros)
 
     def init_fn(params: Any) -> Any:
+        _check_outside_wrapper("freeze_keys(...).init", params)
         leaves = jax.tree_util.tree_leaves(params, is_leaf=is_arr)
         if not any(map(is_arr, leaves)):
             name = getattr(arr_type, "__name__", repr(arr_type))
             warnings.warn(_errors.NOTHING_FROZEN.format(cls=name), stacklevel=2)
         return tx.init(params)
 
-    return optax.GradientTransformationExtraArgs(init_fn, tx.update)
+    def update_fn(updates: Any, state: Any, params: Any = None, **extra: Any) -> Any:
+        _check_outside_wrapper("freeze_keys(...).update", params)
+        return tx.update(updates, state, params, **extra)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _check_keys(arr_type: type, keys: Iterable[str] | str) -> frozenset[str]:
@@ -294,11 +332,14 @@ def apply_updates(params: Any, updates: Any) -> Any:
 
     Raises:
       ValueError: the structures of `params` and `updates` differ.
+      RuntimeError: called inside `qax.use_implicit_args` on implicit parameters (the
+        message shows the step outside the wrapper).
     """
 
     def is_leaf(x: Any) -> bool:
         return x is None or isinstance(x, SymbolicConstant)
 
+    _check_outside_wrapper("apply_updates", params)
     flat_updates, treedef = jax.tree_util.tree_flatten(updates, is_leaf=is_leaf)
     try:
         flat_params = treedef.flatten_up_to(params)

@@ -1030,3 +1030,26 @@ def test_loraify_without_batch_ndim_over_a_quantized_stack_names_loraify_batch_n
     # Following the advice works.
     fixed = qax.lora.loraify(stack, 2, key=jax.random.key(0), batch_ndim=1)
     assert fixed["w"].b.shape == (3, 2, 16)
+
+
+# ----------------------------------------------------------------------------------------
+# The whole optax step inside `qax.use_implicit_args` (issue 42, item 4)
+
+
+def test_plain_optax_step_inside_the_wrapper_names_the_step_outside():
+    lora = qax.lora.loraify({"w": normal((8, 4))}, 2, key=jax.random.key(1))
+    tx = optax.adam(1e-2)
+    opt_state = tx.init(lora)
+    x = jnp.ones((3, 8))
+
+    def step(params, opt_state, x):
+        grads = jax.grad(lambda p: jnp.sum((x @ p["w"]) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    advice = r"(?s)optax.apply_updates.*outside.*qax.lora.split.*qax.lora.combine"
+    with pytest.warns(qax.MaterializationWarning, match=advice):
+        qax.use_implicit_args(step)(lora, opt_state, x)
+    with qax.materialization_policy(LoraWeight, "error"):
+        with pytest.raises(qax.MaterializationError, match=advice):
+            qax.use_implicit_args(step)(lora, opt_state, x)

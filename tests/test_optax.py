@@ -310,3 +310,48 @@ def test_apply_updates_never_moves_a_field_its_value_declares_frozen():
     np.testing.assert_allclose(new["frozen"].b, moved["frozen"].b)
     assert qax.lora.LoraWeight(w, a, b).frozen_fields() == ("w",)
     assert params["free"].frozen_fields() == ()
+
+
+# ----------------------------------------------------------------------------------------
+# The whole optimizer step inside `qax.use_implicit_args` (issue 42, item 4)
+
+
+def _lora_step_inside(tx, update_fn):
+    params = {
+        "w": qax.lora.loraify(
+            {"w": jax.random.normal(jax.random.key(0), (8, 4))},
+            2,
+            key=jax.random.key(1),
+        )["w"]
+    }
+    opt_state = tx.init(params)
+    x = jnp.ones((3, 8))
+
+    def step(params, opt_state, x):
+        grads = jax.grad(lambda p: jnp.sum((x @ p["w"]) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return update_fn(params, updates), opt_state
+
+    return qax.use_implicit_args(step), (params, opt_state, x)
+
+
+@pytest.mark.parametrize(
+    "update_fn", [optax.apply_updates, qax.utils.apply_updates], ids=["optax", "qax"]
+)
+def test_freeze_keys_inside_the_wrapper_names_the_step_outside(update_fn):
+    tx = qax.freeze_keys(optax.adam(1e-2), qax.lora.LoraWeight, ["w"])
+    step, args = _lora_step_inside(tx, update_fn)
+    with pytest.raises(
+        RuntimeError,
+        match=r"(?s)freeze_keys.*inside `qax.use_implicit_args`.*LoraWeight at \['w'\]"
+        r".*jax.grad\(loss_fn\).*optax.apply_updates",
+    ):
+        step(*args)
+
+
+def test_apply_updates_inside_the_wrapper_names_the_step_outside():
+    step, args = _lora_step_inside(optax.sgd(0.1), qax.utils.apply_updates)
+    with pytest.raises(
+        RuntimeError, match=r"(?s)apply_updates.*inside `qax.use_implicit_args`"
+    ):
+        step(*args)

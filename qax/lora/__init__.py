@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import qax
 
+from . import _stacks  # noqa: F401 (registers more handlers)
 from ._params import combine, default_filter, loraify, merge, split, trainable_count
 from ._weight import LoraAdapter, LoraWeight
 
