@@ -7,6 +7,7 @@ from ._audit import materialization_audit as materialization_audit
 from ._audit import materialization_policy as materialization_policy
 from ._base import ImplicitBase as ImplicitBase
 from ._dispatch import ArrayValue as ArrayValue
+from ._dispatch import decline as decline
 from ._dispatch import default_handler as default_handler
 from ._dispatch import primitive_handler as primitive_handler
 from ._entry import materialize_nested as materialize_nested
@@ -54,6 +55,7 @@ __all__ = [
     "aux_field",
     "checkpoint",
     "constants",
+    "decline",
     "default_handler",
     "explain",
     "freeze_keys",

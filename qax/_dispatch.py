@@ -144,6 +144,46 @@ def primitive_handler(
     return decorator
 
 
+class Declined:
+    """What `decline` returns: a handler passing, with the reason (see `decline`)."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"qax.decline({self.reason!r})"
+
+
+def decline(reason: str) -> Declined:
+    """What a handler returns to pass, as `NotImplemented` does, saying why.
+
+    qax then falls back as for `NotImplemented` (the class's `default_handler`, or
+    materializing the operands); a materialization that follows shows ``reason``
+    instead of the standard "was not handled" text, in the `MaterializationWarning`
+    and in a `MaterializationError`. Use it where a handler covers some cases of a
+    primitive and the user can do something about the others.
+
+    Examples:
+        >>> @qax.primitive_handler("slice")
+        ... def slice_blocks(primitive, w: Blocked, **params):
+        ...     if params["start_indices"][-1] % w.block_size:
+        ...         return qax.decline(
+        ...             "Blocked: a slice that cuts a block decodes the weight; "
+        ...             "slice on multiples of block_size."
+        ...         )
+        ...     ...
+
+    Args:
+      reason: what the handler could not do and what the user can do instead.
+
+    Returns:
+      A marker for the interpreter; return it from the handler.
+    """
+    return Declined(str(reason))
+
+
 _accepted: dict[Callable, frozenset[str] | None] = {}
 
 

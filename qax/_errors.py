@@ -51,14 +51,19 @@ class MaterializationError(RuntimeError):
         self.cls = event.cls
         self.source = event.source
         self.phase = phase
+        reason = getattr(event, "reason", None)
+        template = (
+            MATERIALIZATION_FORBIDDEN_BECAUSE if reason else MATERIALIZATION_FORBIDDEN
+        )
         super().__init__(
-            MATERIALIZATION_FORBIDDEN.format(
+            template.format(
                 primitive=event.primitive,
                 cls=event.cls.__name__,
                 aval=f"{event.dtype}{list(event.shape)}",
                 source=event.source or "an unknown line",
                 phase=phase,
                 rule=rule,
+                reason=reason,
             )
         )
 
@@ -87,6 +92,14 @@ materialized at {source} (in the {phase} pass), but its materialization policy i
 "error" ({rule}). Register a handler with `@qax.primitive_handler("{primitive}")` \
 (`qax.explain("{primitive}", ...)` shows which ones exist), or allow it, e.g. in a \
 `with qax.materialization_policy({cls}, "allow"):` block."""
+
+# The same, for a materialization that comes with its reason (`qax.decline`, or a rule
+# that gives up): the reason first, then the policy.
+MATERIALIZATION_FORBIDDEN_BECAUSE: Final = """\
+{reason}
+A {cls} ({aval}) would be materialized by `{primitive}` at {source} (in the {phase} \
+pass), but its materialization policy is "error" ({rule}). Do what the reason above \
+says, or allow it, e.g. in a `with qax.materialization_policy({cls}, "allow"):` block."""
 
 UNINITIALIZED_AVAL: Final = """\
 Could not determine the {kind} of this {cls}. Provide it in one of these ways:

@@ -208,7 +208,7 @@ def apply_primitive(
     1. commutative binary primitives get the implicit operand first (unless its class
        was created with ``commute_ops=False``);
     2. a handler registered with `qax.primitive_handler` for the operand types; it may
-       return `NotImplemented` to pass;
+       return `NotImplemented` (or `qax.decline(reason)`) to pass;
     3. a structural rule (jit, scan, cond, while, remat, custom_jvp, ...), which runs the
        primitive's body on the implicit values without materializing them;
     4. the per-type rule `cls.default_handler` of the first implicit operand's class;
@@ -224,14 +224,16 @@ def apply_primitive(
 
     if primitive in PRODUCTS and any(map(stored_fields, vals)):
         vals = arrived_operands(trace, vals)
-    stacked = any(map(_stacked_examples, vals))
+    stacked, reason = any(map(_stacked_examples, vals)), None
     if not stacked:
         types = tuple(map(_dispatch.dispatch_type, vals))
         handler = _dispatch.lookup(primitive, types)
         if handler is not None:
             kwargs = _dispatch.params_for(handler, primitive, params)
             out = call_with_children(trace, handler, primitive, *vals, **kwargs)
-            if out is not NotImplemented:
+            if isinstance(out, _dispatch.Declined):  # `qax.decline`: pass, saying why
+                reason = out.reason
+            elif out is not NotImplemented:
                 _check_result(handler, primitive, vals, params, out)
                 return out
 
@@ -248,7 +250,7 @@ def apply_primitive(
         )
         if out is not NotImplemented:
             return out
-    return materialize_and_bind(trace, primitive, vals, params)
+    return materialize_and_bind(trace, primitive, vals, params, reason)
 
 
 def _stacked_examples(v: Any) -> bool:
@@ -379,7 +381,7 @@ def call_with_children(trace: ImplicitTrace, fn: Callable, *args: Any, **kwargs:
             return fn(*args, **kwargs)
     with set_current_trace(trace):
         out = fn(*new_args, **kwargs)
-    if out is NotImplemented:
+    if out is NotImplemented or isinstance(out, _dispatch.Declined):
         return out
     return trace.unwrap_tree(out)
 

@@ -11,11 +11,20 @@ full-precision weight never exists as a parameter or an input of the program:
   multiply its output (a *narrow product*: JAX's TPU lowering feeds the codes to the
   dot as they are; on CPU and GPU, JAX's lowering converts them to the product's
   dtype right before the dot, and nothing of the weight's size is multiplied);
-- ``gather`` of rows (embedding lookups): only the gathered rows are decoded;
+- indexing keeps the codes: ``slice``, ``squeeze``, ``dynamic_slice`` (``w[a:b]``,
+  ``w[:, 3]``, one layer ``stack[i]`` of a stacked weight with a static or traced
+  ``i``, in ``fori_loop`` too) and ``gather`` of layers (``stack[ids]``) slice the
+  codes and scales and return a quantized weight. Along the blocks' axis of a block
+  format, a slice keeps whole blocks (and so whole bytes of packed codes) when it
+  starts and ends on multiples of the block size; one that cuts a block decodes the
+  weight, with a `qax.MaterializationWarning` that says so (`qax.decline`);
+- ``gather`` of rows (embedding lookups, ``jnp.take`` along any axis the blocks do not
+  run along): only the gathered rows are decoded;
 - ``convert_element_type`` to a floating dtype: the same codes, decoding to that dtype
   (``w.astype(jnp.bfloat16)`` keeps 4-bit storage); ``mul`` by a scalar rescales the
   scales; ``transpose`` transposes the codes and scales as stored (a block format's
-  blocks move with their axis: ``emb.T`` of a 4-bit table stays 4-bit); ``stop_gradient``;
+  blocks move with their axis: ``emb.T`` of a 4-bit table stays 4-bit; one that keeps
+  the stacked axes in front keeps the stack); ``stop_gradient``;
 - ``add`` / ``sub`` (merging a LoRA into a quantized base): decoded inside the handler.
 
 The formats (the names `quantize` takes):
@@ -78,7 +87,7 @@ from __future__ import annotations
 # and `jax.export` record), so dataclasses reads their `ClassVar` annotations here.
 from typing import ClassVar  # noqa: F401
 
-from . import _handlers  # noqa: F401  (registers the handlers)
+from . import _handlers, _indexing  # noqa: F401  (register the handlers)
 from ._params import FORMATS, dequantize, quantize, quantize_dequantize
 from ._types import (
     NF4_LEVELS,

@@ -96,54 +96,6 @@ def _elementwise_right(primitive, x: jax.Array, w: QuantizedWeight) -> jax.Array
     return primitive.bind(x, w.dequantize())
 
 
-@qax.primitive_handler("gather")
-def _gather_rows(
-    primitive, w: QuantizedWeight, indices: jax.Array, *, dimension_numbers, **params
-) -> jax.Array:
-    """Gather the codes and scales of the rows, then decode only those rows.
-
-    Applies when the lookup indexes leading axes and keeps the last axis whole, at the
-    end of the result (``table[ids]``), and blocks (if any) run along the last axis;
-    otherwise the whole weight is decoded first.
-    """
-    dn, sizes = dimension_numbers, tuple(params.pop("slice_sizes"))
-    indexed = (*dn.collapsed_slice_dims, *dn.start_index_map, *dn.operand_batching_dims)
-    out_ndim = indices.ndim - 1 + len(dn.offset_dims)
-    last = w.ndim - 1
-    if (
-        w.ndim < 2
-        or getattr(w, "block_axis", -1) != -1
-        or last in indexed
-        or sizes[-1] != w.shape[-1]
-        or dn.offset_dims[-1:] != (out_ndim - 1,)
-    ):
-        return primitive.bind(
-            w.dequantize(), indices, dimension_numbers=dn, slice_sizes=sizes, **params
-        )
-    changes = {}
-    for field in dataclasses.fields(w):
-        leaf = getattr(w, field.name)
-        if not isinstance(leaf, jax.Array) or leaf.ndim != w.ndim:
-            continue
-        if tuple(leaf.shape[:-1]) == tuple(w.shape[:-1]):
-            changes[field.name] = primitive.bind(
-                leaf,
-                indices,
-                dimension_numbers=dn,
-                slice_sizes=(*sizes[:-1], leaf.shape[-1]),
-                **params,
-            )
-        elif any(d != 1 for d in leaf.shape[:-1]):  # a scale per row of another axis
-            return primitive.bind(
-                w.dequantize(),
-                indices,
-                dimension_numbers=dn,
-                slice_sizes=sizes,
-                **params,
-            )
-    return w._decode(**{n: changes.get(n, getattr(w, n)) for n in w._ARRAYS})
-
-
 @qax.primitive_handler("convert_element_type")
 def _convert(primitive, w: QuantizedWeight, *, new_dtype, **params) -> Any:
     """Decode to another floating dtype: the codes stay, the scales are cast."""
@@ -170,7 +122,13 @@ def _stop_gradient(primitive, w: QuantizedWeight) -> Any:
 
 @qax.primitive_handler(["transpose", "broadcast_in_dim", "reshape"])
 def _decode_then(primitive, w: QuantizedWeight, **params) -> jax.Array:
-    """Ops that move elements: decode, then run them (inside the handler)."""
+    """Ops that move elements: decode, then run them (inside the handler); one that
+    leaves the shape as it is (``jnp``'s indexing ends with an identity
+    ``broadcast_in_dim``) returns the weight itself."""
+    shape = params.get("shape", params.get("new_sizes"))  # transpose: None
+    if shape is not None and tuple(shape) == tuple(w.shape):
+        if params.get("dimensions") is None and params.get("sharding") is None:
+            return w
     return primitive.bind(w.dequantize(), **params)
 
 
@@ -215,13 +173,19 @@ def _transpose_blocks(primitive, w: QuantizedWeight, permutation) -> Any:
 
 
 def _transpose_per_channel(primitive, w: QuantizedWeight, permutation) -> Any:
+    """Codes and scales transposed together; a permutation that keeps the stacked
+    (batch) axes in front keeps them stacked (``jnp.swapaxes(stack, -1, -2)``), any
+    other makes one weight of every axis."""
     if not _per_channel(w):
         return primitive.bind(w.dequantize(), permutation=permutation)
+    permutation = tuple(int(p) for p in permutation)
+    batch = 0 if w.weight_ndim is None else w.ndim - w.weight_ndim
+    kept = permutation[:batch] == tuple(range(batch))
     return dataclasses.replace(
         w,
         q=lax.transpose(w.q, permutation),
         scale=lax.transpose(w.scale, permutation),
         shape=None,
         dtype=None,
-        weight_ndim=None,
+        weight_ndim=w.weight_ndim if kept else None,
     )
