@@ -1053,3 +1053,80 @@ def test_plain_optax_step_inside_the_wrapper_names_the_step_outside():
     with qax.materialization_policy(LoraWeight, "error"):
         with pytest.raises(qax.MaterializationError, match=advice):
             qax.use_implicit_args(step)(lora, opt_state, x)
+
+
+# ----------------------------------------------------------------------------------------
+# One layer of a stack, and transposes that keep the layer axis, stay implicit
+# (issue 42, item 3, the LoRA half)
+
+
+def _stack_of_loras(a_axes=None):
+    shape = (3, 8, 4) if a_axes is None else (3, 2, 8, 4)
+    lora = qax.lora.loraify(
+        {"w": normal(shape, seed=4)},
+        2,
+        key=jax.random.key(5),
+        batch_ndim=1,
+        alpha=3.0,
+        a_axes=a_axes,
+    )["w"]
+    return dataclasses.replace(lora, b=lora.b + 0.1 * normal(lora.b.shape, seed=6))
+
+
+_LAYER_CASES = {
+    "static": lambda w, x: x @ w[1],
+    "negative": lambda w, x: x @ w[-1],
+    "traced": lambda w, x: x @ w[jnp.argmax(x[0, :3])],
+    "fori_loop": lambda w, x: lax.fori_loop(
+        0, 3, lambda i, h: jnp.tanh(h @ w[i] @ w[i].T), x
+    ),
+    "swapaxes": lambda w, x: jnp.einsum("lij,bj->lbi", jnp.swapaxes(w, -1, -2), x),
+    "vmap_T": lambda w, x: jax.vmap(lambda one: (x @ one) @ one.T)(w),
+}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("case", list(_LAYER_CASES))
+def test_one_layer_or_a_transpose_of_a_lora_stack_stays_implicit(case, jit):
+    f = _LAYER_CASES[case]
+    lora = _stack_of_loras()
+    x = normal((5, 8), seed=7)
+    want = f(qax.lora.merge(lora), x)
+    run = qax.use_implicit_args(f)
+    with qax.materialization_policy(LoraWeight, "error"):
+        got = (jax.jit(run) if jit else run)(lora, x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_one_layer_of_a_lora_stack_is_that_layer():
+    lora = _stack_of_loras()
+    for i in (0, 2, jnp.int32(1)):
+        one = qax.use_implicit_args(lambda w, i: w[i])(lora, i)
+        assert isinstance(one, LoraWeight) and one.b.shape == (2, 4)
+        np.testing.assert_allclose(
+            qax.lora.merge(one), qax.lora.merge(lora)[i], rtol=1e-6, atol=1e-6
+        )
+    layers = qax.use_implicit_args(lambda w: w[1:])(lora)
+    assert isinstance(layers, LoraWeight) and layers.a.shape == (2, 8, 2)
+    swapped = qax.use_implicit_args(lambda w: jnp.swapaxes(w, -1, -2))(lora)
+    assert isinstance(swapped, LoraWeight) and swapped.shape == (3, 4, 8)
+    np.testing.assert_allclose(
+        qax.lora.merge(swapped),
+        jnp.swapaxes(qax.lora.merge(lora), -1, -2),
+        rtol=1e-6,
+        atol=1e-6,
+    )
+
+
+def test_a_peft_style_lora_stack_transposes_and_indexes_implicitly():
+    lora = _stack_of_loras(a_axes=(1,))  # (3, 2, 8, 4): a along the 8
+    x = normal((5, 8), seed=8)
+
+    def f(w, x):
+        one = jnp.transpose(w, (0, 2, 1, 3))[2]  # (8, 2, 4)
+        return jnp.einsum("bd,dhk->bhk", x, one)
+
+    want = f(qax.lora.merge(lora), x)
+    with qax.materialization_policy(LoraWeight, "error"):
+        got = qax.use_implicit_args(f)(lora, x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

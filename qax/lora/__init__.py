@@ -16,6 +16,11 @@ products with the factors, so ``w + a @ b`` is never built:
   ``convert_element_type`` (``w.astype(bf16)``: every field is cast, so bf16 compute over
   f32 factors keeps f32 gradients), ``mul`` by a scalar, ``stop_gradient``: another
   `LoraWeight`.
+- on a stack of weights (``loraify(..., batch_ndim=1)``), besides the products and
+  `lax.scan` / `vmap` slicing: one layer (``stack[i]`` with a static or traced ``i``,
+  also inside `lax.fori_loop`), a range of layers, and transposes that keep the layer
+  axis (``jnp.swapaxes(stack, -1, -2)``, ``w.T`` under `vmap`) index or transpose the
+  factors.
 
 **Factor layout.** For a weight ``w`` of shape ``(*A, *B)`` (``A`` the leading axes),
 ``a`` has shape ``(*A, rank)`` and ``b`` has shape ``(rank, *B)``, and the weight stands

@@ -524,41 +524,6 @@ def _unbatched(w: LoraWeight) -> bool:
     return _batch_ndim(w.w.ndim, w.a.ndim, w.b.ndim) == 0
 
 
-@qax.primitive_handler("transpose")
-def _transpose(primitive, w: LoraWeight, *, permutation) -> Any:
-    """Any permutation is again a `LoraWeight` (``(w + a b)ᵀ = wᵀ + bᵀ aᵀ``). One that
-    keeps the axes of ``a`` together and those of ``b`` together keeps the leading-axes
-    layout; any other moves ``a_axes``."""
-    p, k = w.a.ndim - 1, w.ndim
-    perm = tuple(permutation)
-    if not _unbatched(w):
-        return NotImplemented
-    new_w = lax.transpose(w.w, perm)
-    if w.a_axes is not None:
-        return _permuted(w, new_w, perm)
-    if sorted(perm[:p]) == list(range(p)):
-        new_a = lax.transpose(w.a, (*perm[:p], p))
-        new_b = lax.transpose(w.b, (0, *(i - p + 1 for i in perm[p:])))
-    elif sorted(perm[: k - p]) == list(range(p, k)):
-        # b's axes come first: the new a is b (rank moved last), the new b is a.
-        new_a = lax.transpose(w.b, (*(i - p + 1 for i in perm[: k - p]), 0))
-        new_b = lax.transpose(w.a, (p, *perm[k - p :]))
-    else:
-        return _permuted(w, new_w, perm)
-    return _replace(w, w=new_w, a=new_a, b=new_b)
-
-
-def _permuted(w: LoraWeight, new_w: Any, perm: tuple[int, ...]) -> LoraWeight:
-    """``w`` transposed by ``perm`` without moving ``a``: its axes get new positions
-    (``a_axes``); ``b``'s axes are put in the new order of the weight's."""
-    where = {old: new for new, old in enumerate(perm)}
-    a_axes, b_axes = w.axes()
-    moved = [where[i] for i in b_axes]
-    order = sorted(range(len(moved)), key=moved.__getitem__)
-    new_b = lax.transpose(w.b, (0, *(1 + j for j in order)))
-    return _replace(w, w=new_w, b=new_b, a_axes=tuple(where[i] for i in a_axes))
-
-
 def _split_point(old: Sequence[int], new: Sequence[int], p: int) -> int | None:
     """The number of leading axes of `new` whose sizes multiply to ``prod(old[:p])``."""
     target, size = math.prod(old[:p]), 1
@@ -575,8 +540,19 @@ def _split_point(old: Sequence[int], new: Sequence[int], p: int) -> int | None:
 def _reshape(primitive, w: LoraWeight, **params) -> Any:
     """A reshape that keeps the boundary between the axes of ``a`` and ``b``
     (splitting or merging axes on either side) is again a `LoraWeight`; a weight that
-    is a single row or column becomes that dense row."""
-    if not _unbatched(w) or w.a_axes is not None:
+    is a single row or column becomes that dense row. Squeezing stack axes (one layer
+    of a stack, ``stack[i]``) squeezes all three fields."""
+    nb = _batch_ndim(w.w.ndim, w.a.ndim, w.b.ndim)
+    squeezed = params.get("dimensions") or (nb,)
+    if nb and primitive is lax.squeeze_p and max(squeezed) < nb:
+        dims = tuple(params["dimensions"])
+        return _replace(
+            w,
+            w=lax.squeeze(w.w, dims),
+            a=lax.squeeze(w.a, dims),
+            b=lax.squeeze(w.b, dims),
+        )
+    if nb or w.a_axes is not None:
         return NotImplemented
     if primitive is lax.reshape_p and params.get("dimensions") is not None:
         return NotImplemented  # a reshape that also transposes
@@ -601,16 +577,16 @@ def _reshape(primitive, w: LoraWeight, **params) -> Any:
 
 @qax.primitive_handler("slice")
 def _slice(primitive, w: LoraWeight, *, start_indices, limit_indices, strides) -> Any:
-    """Slicing ``w`` slices ``a`` on its axes and ``b`` on its axes."""
-    if not _unbatched(w):
-        return NotImplemented
+    """Slicing ``w`` slices ``a`` on its axes and ``b`` on its axes (and all three on
+    the stack axes of a stack: ``stack[1:]``, ``stack[i]`` before its squeeze)."""
+    nb = _batch_ndim(w.w.ndim, w.a.ndim, w.b.ndim)
     (ia, ib), r = w.axes(), w.rank
     strides = strides or (1,) * w.ndim
     starts, limits = tuple(start_indices), tuple(limit_indices)
 
     def on(axes, first, x, fill):
-        out = [x[i] for i in axes]
-        return (*out, fill) if first else (fill, *out)
+        out = [x[nb + i] for i in axes]
+        return (*x[:nb], *((*out, fill) if first else (fill, *out)))
 
     return _replace(
         w,
@@ -626,21 +602,26 @@ def _slice(primitive, w: LoraWeight, *, start_indices, limit_indices, strides) -
 
 @qax.primitive_handler("dynamic_slice")
 def _dynamic_slice(primitive, w: LoraWeight, *starts: jax.Array, slice_sizes) -> Any:
-    """``lax.dynamic_slice`` (e.g. one row, ``table[i]``): slice each factor on its
-    axes."""
-    if not _unbatched(w):
-        return NotImplemented
+    """``lax.dynamic_slice`` (e.g. one row, ``table[i]``; one layer of a stack,
+    ``stack[i]``): slice each factor on its axes (and on the stack axes)."""
+    nb = _batch_ndim(w.w.ndim, w.a.ndim, w.b.ndim)
     (ia, ib), zero = w.axes(), jnp.zeros((), jnp.int32)
     sizes = tuple(slice_sizes)
     starts = [s.astype(jnp.int32) for s in starts]
+    lead, lead_sizes = starts[:nb], sizes[:nb]
+    at, size = starts[nb:], sizes[nb:]
     return _replace(
         w,
         w=lax.dynamic_slice(w.w, starts, sizes),
         a=lax.dynamic_slice(
-            w.a, [*(starts[i] for i in ia), zero], (*(sizes[i] for i in ia), w.rank)
+            w.a,
+            [*lead, *(at[i] for i in ia), zero],
+            (*lead_sizes, *(size[i] for i in ia), w.rank),
         ),
         b=lax.dynamic_slice(
-            w.b, [zero, *(starts[i] for i in ib)], (w.rank, *(sizes[i] for i in ib))
+            w.b,
+            [*lead, zero, *(at[i] for i in ib)],
+            (*lead_sizes, w.rank, *(size[i] for i in ib)),
         ),
     )
 
