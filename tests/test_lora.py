@@ -1130,3 +1130,44 @@ def test_a_peft_style_lora_stack_transposes_and_indexes_implicitly():
     with qax.materialization_policy(LoraWeight, "error"):
         got = qax.use_implicit_args(f)(lora, x)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------
+# A per-path rule that only sets `batch_ndim` adapts the stacked kernels, not the biases
+# and norms beside them (issue 42)
+
+
+def test_a_rule_setting_batch_ndim_leaves_biases_and_norms_alone():
+    params = {
+        "layers": {
+            "kernel": normal((3, 8, 8), seed=1) * 0.3,
+            "bias": normal((3, 8), seed=2),
+            "norm": {"scale": 1 + normal((3, 8), seed=3)},
+        },
+        "head": {"kernel": normal((8, 4), seed=4), "bias": normal((4,), seed=5)},
+    }
+    lora = qax.lora.loraify(
+        params, 2, key=jax.random.key(0), rules=[("layers/.*", {"batch_ndim": 1})]
+    )
+    assert lora["layers"]["kernel"].b.shape == (3, 2, 8)  # one b per layer
+    assert lora["layers"]["bias"] is params["layers"]["bias"]
+    assert lora["layers"]["norm"]["scale"] is params["layers"]["norm"]["scale"]
+    assert lora["head"]["kernel"].b.shape == (2, 4)
+    assert lora["head"]["bias"] is params["head"]["bias"]
+
+    def model(p, x):
+        def body(h, layer):
+            return jnp.tanh(h @ layer["kernel"] + layer["bias"]) * layer["norm"][
+                "scale"
+            ], None
+
+        return (
+            lax.scan(body, x, p["layers"])[0] @ p["head"]["kernel"] + p["head"]["bias"]
+        )
+
+    x = normal((5, 8), seed=6)
+    with qax.materialization_policy(LoraWeight, "error"):
+        got = qax.use_implicit_args(model)(lora, x)
+    np.testing.assert_allclose(
+        got, model(qax.lora.merge(lora), x), rtol=1e-5, atol=1e-5
+    )

@@ -973,3 +973,16 @@ def test_quantize_after_loraify_quantizes_the_bases(stacked):
         np.testing.assert_array_equal(g, w)
     # The factors are the ones loraify made.
     assert kernel.a is lora["fc"]["kernel"].a and kernel.b is lora["fc"]["kernel"].b
+
+
+def test_a_rule_setting_batch_ndim_keeps_stacked_vectors_dense():
+    """Issue 42: a rule that sets `batch_ndim` for a stack of layers matches the stacked
+    biases too; each is a stack of vectors, kept dense (not one 2-D weight)."""
+    params = {
+        "layers": {"kernel": normal((3, 32, 64)), "bias": normal((3, 64), seed=1)},
+        "head": {"kernel": normal((64, 32), seed=2)},
+    }
+    q = qax.quant.quantize(params, "int8", rules=[("layers/.*", {"batch_ndim": 1})])
+    assert qax.utils.batch_ndim(q["layers"]["kernel"]) == 1
+    assert q["layers"]["bias"] is params["layers"]["bias"]
+    assert isinstance(q["head"]["kernel"], Int8Weight)

@@ -24,6 +24,9 @@ def _is_lora(x: Any) -> bool:
 
 
 _EXCLUDED = re.compile(r"embed|norm|bias|^ln(_|\d|$)|^wte$|^wpe$|^(pos|tok)_emb", re.I)
+# What a rule never adapts, whatever its settings: biases and normalisation parameters
+# (a rule that sets `batch_ndim` for a stack of layers matches them too).
+_NEVER_BY_RULE = re.compile(r"norm|bias|^ln(_|\d|$)", re.I)
 
 
 def default_filter(path: str, leaf: Any) -> bool:
@@ -129,8 +132,10 @@ def loraify(
         weight's path decides for it: ``settings`` is a dict overriding this call's
         ``rank``, ``alpha``, ``split_at``, ``a_axes``, ``freeze_w``, ``dtype`` and
         ``batch_ndim``
-        for that weight, which is then chosen whatever ``filter`` says; or ``None``,
-        to leave it alone. Weights that no pattern matches are chosen by ``filter``
+        for that weight, which is then chosen whatever ``filter`` says (but biases
+        and normalisation parameters, as `default_filter` names them, are never
+        adapted by a rule, and a weight with too few axes for the rule's
+        ``batch_ndim`` is left alone); or ``None``, to leave it alone. Weights that no pattern matches are chosen by ``filter``
         and get this call's settings.
 
     Returns:
@@ -163,7 +168,10 @@ def loraify(
             return leaf
         if not matched and not choose(name, leaf):
             return leaf
-        return _adapted(name, leaf, key, {**defaults, **(settings or {})})
+        if matched and any(_NEVER_BY_RULE.search(p) for p in name.split("/")):
+            return leaf
+        stacked = bool(settings) and "batch_ndim" in settings
+        return _adapted(name, leaf, key, {**defaults, **(settings or {})}, stacked)
 
     return qax.utils.tree_map_with_path_with_implicit(convert, params)
 
@@ -173,12 +181,17 @@ def _check_rank(rank: Any) -> None:
         raise ValueError(f"loraify: rank must be a positive integer, got {rank!r}.")
 
 
-def _adapted(name: str, leaf: Any, key: jax.Array, s: dict) -> Any:
-    """`leaf` as a `LoraWeight` with the settings `s` (`loraify`'s keywords)."""
+def _adapted(
+    name: str, leaf: Any, key: jax.Array, s: dict, stacked: bool = False
+) -> Any:
+    """`leaf` as a `LoraWeight` with the settings `s` (`loraify`'s keywords);
+    `stacked`: a rule gave its ``batch_ndim`` (it is then part of a stack)."""
     rank = s["rank"]
     _check_rank(rank)
     nb = s["batch_ndim"](name, leaf) if callable(s["batch_ndim"]) else s["batch_ndim"]
     if len(leaf.shape) - nb < 2:
+        if stacked:
+            return leaf  # a stack of vectors, by the rule: nothing to adapt
         nb = 0  # too few axes for a stack: one weight (the head beside the layers)
     if len(leaf.shape) < 2:
         return leaf

@@ -125,10 +125,11 @@ def quantize(
         weight's path decides for it: ``settings`` is a dict with a ``"format"`` and
         options overriding this call's (``axis``, ``group_size``, ``block_size``,
         ``block_axis``, ``batch_ndim``, ``bits``, ``fp8_dtype``), the weight then chosen
-        whatever ``filter`` says; or ``None``, to keep it dense. Weights no pattern matches
-        follow ``filter``, ``fmt`` and ``options``. E.g. ``rules=[(".*/attn/.*",
-        {"format": "int8"}), (".*/head/.*", None)]``. A rule that picks another
-        format than the call's takes, of the call's options, ``batch_ndim``, ``axis``
+        whatever ``filter`` says (but one with too few axes for the rule's
+        ``batch_ndim``, a stacked bias, stays dense); or ``None``, to keep it dense.
+        Weights no pattern matches follow ``filter``, ``fmt`` and ``options``. E.g.
+        ``rules=[(".*/attn/.*", {"format": "int8"}), (".*/head/.*", None)]``. A rule
+        that picks another format than the call's takes, of the call's options, ``batch_ndim``, ``axis``
         (int8, fp8) and the block size (``block_size`` or ``group_size``, under the
         name the format uses; not int8) with ``block_axis``.
       **options: passed to ``from_array``: ``axis`` (int8 and per-channel fp8: an axis
@@ -193,6 +194,11 @@ def quantize(
             _check_options(kind, kwargs)
         if stack is not None:
             kwargs["batch_ndim"] = stack  # the base is stacked as its factors are
+        if settings and "batch_ndim" in settings and stack is None:
+            nb = kwargs["batch_ndim"]
+            nb = nb(name, leaf) if callable(nb) else nb
+            if len(leaf.shape) - nb < 2:
+                return leaf  # a stack of vectors, by the rule (biases): kept dense
         if "batch_ndim" in kwargs:
             kwargs["batch_ndim"] = _stack_ndim(kwargs["batch_ndim"], name, leaf)
         return kind.from_array(leaf, **kwargs)
