@@ -268,6 +268,28 @@ NNX_UPDATE_INSIDE_WRAPPER: Final = (
     "        optimizer.update(model, grads)"
 )
 
+NNX_GRAD_WHOLE_VARIABLE: Final = (
+    "nnx.grad / nnx.value_and_grad with `nnx.DiffState(..., {filter})` differentiates "
+    "each selected Variable whole, and the one at {path} holds a {cls} whose field "
+    "{field} is {dtype} (a field of its {owner}): JAX cannot differentiate it "
+    '("grad requires real- or complex-valued inputs"). For QLoRA, use the LoRA '
+    "recipe with "
+    "`qax.nnx.value_and_grad` (or `qax.nnx.grad`), the same arguments: it "
+    "differentiates only the trainable fields of the implicit values (the LoRA "
+    "factors), and the codes stay as they are:\n"
+    "    grad_fn = qax.nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, lora))\n"
+    "    loss, grads = grad_fn(model, x, y)\n"
+    "    optimizer.update(model, grads)  # qax.nnx.Optimizer, qax.freeze_keys(..., "
+    'LoraWeight, ["w"])'
+)
+
+NNX_GRAD_INTEGER_INPUT: Final = (
+    "{name} requires real- or complex-valued inputs (a sub-dtype of np.inexact), but "
+    "the differentiated argument {argnum} has {dtype} at {path}. It differentiates "
+    "integers only where an implicit array holds them (quantized codes, given float0 "
+    "gradients); leave this one out of `argnums` / the `nnx.DiffState` filter."
+)
+
 # -- optax helpers (`qax._optax`) --------------------------------------------------------
 
 BAD_FREEZE_LABELS: Final = (
