@@ -13,12 +13,40 @@ from typing import Any, ClassVar
 
 from ._compat import Primitive, ShapedArray
 
+# Whether code that qax runs on implicit values is running: a handler, `materialize()`,
+# `default_handler`, or a constructor's own body. The implicit arrays it builds are plain
+# values, whose fields it may read (see `_ImplicitMeta.__call__`).
+in_rule: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "qax_in_rule", default=False
+)
+# Filled by `qax._entry`: an implicit array that the user's code has just built, as a
+# value of the current trace when `use_implicit_args` is active (else itself).
+enter_built: list[Any] = [lambda value: value]
+
 
 class _ImplicitMeta(abc.ABCMeta):
     # `isinstance(x, ImplicitBase)` runs several times per primitive: use `type`'s C
     # checks instead of ABCMeta's (no virtual subclasses are registered anyway).
     __instancecheck__ = type.__instancecheck__
     __subclasscheck__ = type.__subclasscheck__
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        """Build an instance; inside `use_implicit_args`, as a value of the current trace.
+
+        An implicit array that the wrapped function builds (``Lora(w, a, b)``, maybe
+        around an implicit argument) is then exactly what an implicit argument is
+        there: a JAX value that every JAX function, loop carry and transformation takes
+        as one array. Handlers and `materialize()` (and constructors themselves) get
+        plain instances.
+        """
+        if in_rule.get():
+            return super().__call__(*args, **kwargs)
+        token = in_rule.set(True)
+        try:
+            value = super().__call__(*args, **kwargs)
+        finally:
+            in_rule.reset(token)
+        return enter_built[0](value)
 
 
 class ImplicitBase(metaclass=_ImplicitMeta):

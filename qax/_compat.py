@@ -346,6 +346,19 @@ def register_vmappable(cls: type, to_elt, from_elt) -> None:
     _batching.register_vmappable(cls, int, int, to_elt, from_elt, None)
 
 
+# -- implicit arrays handed to `Primitive.bind` directly ------------------------------
+
+
+def register_bind_converter(cls: type, convert: Callable[[object], object]) -> None:
+    """Have `Primitive.bind` (every `lax` function) pass instances of `cls` (and of its
+    subclasses) through `convert` before it reads their abstract value.
+
+    JAX calls it on each operand it does not know (`dtypes.canonicalize_value`), with
+    the caller's trace current; `convert` returns a value JAX can take (a tracer).
+    """
+    _dtypes.register_canonicalize_value_handler(cls, convert)
+
+
 # -- implicit arrays handed to JAX functions outside `use_implicit_args` -----------------
 
 # The modules of `jax.numpy` that ask an argument for `__jax_array__`: its array-like check
@@ -353,6 +366,7 @@ def register_vmappable(cls: type, to_elt, from_elt) -> None:
 # binary operators ask too, but must not get an answer (see `qax/_outside.py`).
 _JNP_ARRAYLIKE_CHECK = "jax._src.numpy.util"
 _JNP_CONSTRUCTORS = "jax._src.numpy.array_constructors"
+_JNP_OPERATORS = "jax._src.numpy.array_methods"
 
 
 def jax_array_asker(depth: int) -> tuple[str | None, str | None]:
@@ -365,6 +379,8 @@ def jax_array_asker(depth: int) -> tuple[str | None, str | None]:
     module = frame.f_globals.get("__name__")
     if module == _JNP_CONSTRUCTORS:
         return "constructor", None
+    if module == _JNP_OPERATORS:
+        return "operator", None
     if module != _JNP_ARRAYLIKE_CHECK:
         return None, None
     for _ in range(4):  # the `fun_name` that the check was given, e.g. "sin"

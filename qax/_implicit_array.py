@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 
+from . import _base as base
 from . import _integrations, _outside
 from ._base import (
     NB,
@@ -38,7 +39,7 @@ from ._fields import (
     fields_of,
     leaf_batch_shape,
 )
-from ._interpreter import implicit_children
+from ._interpreter import ImplicitTracer, implicit_children
 from ._report import quietly
 
 # Instance attribute caching `aval` (keyed by shape and dtype, in case they are reassigned).
@@ -117,6 +118,38 @@ def _wrap_materialize(cls: type) -> None:
 
     materialize._qax_per_element = True
     type.__setattr__(cls, "materialize", materialize)
+
+
+def _enter_built(value: ImplicitBase) -> Any:
+    """`value`, just built by the user's code, as a value of the current trace when
+    `use_implicit_args` is active (see `ImplicitBase`'s metaclass).
+
+    A value of a type that declares no batch axes whose `materialize()` does not give
+    its declared shape (a stack built by hand with the shape of one example, as the
+    original Qax's types were) stays the plain pytree it was there: `jax.vmap` then
+    maps its leaves, as it does without `use_implicit_args`.
+    """
+    if is_eval_trace(current_trace()):
+        return value
+    if not fields_of(type(value)).declared and not _fits_its_shape(value):
+        return value
+    wrapped = enter_current_trace((value,))
+    return value if wrapped is None else wrapped[0]
+
+
+def _fits_its_shape(value: ImplicitBase) -> bool:
+    for leaf in jax.tree_util.tree_leaves(value):
+        if isinstance(leaf, ImplicitTracer) or not hasattr(leaf, "shape"):
+            return True  # (implicit or non-array leaves: nothing cheap to compare)
+    try:
+        with quietly():
+            out = _materialized_aval(value)
+    except Exception:  # noqa: BLE001 (it cannot materialize as declared)
+        return False
+    return tuple(out.shape) == tuple(value.shape)
+
+
+base.enter_built[0] = _enter_built
 
 
 def _implicit_method(fn: Callable) -> Callable:

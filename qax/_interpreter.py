@@ -113,6 +113,20 @@ class ImplicitTrace(Trace):
     def wrap(self, x: Any) -> Any:
         return ImplicitTracer(self, x) if isinstance(x, ImplicitBase) else x
 
+    def adopt(self, x: ImplicitBase) -> Any:
+        """`x`, an implicit array that code running on this trace built, as a tracer.
+
+        Its fields may hold this trace's tracers (``Wrap(w)`` with `w` an implicit
+        argument), at any depth: they become the implicit values they carry, so that
+        `x` is an ordinary nested implicit array whose handlers and `materialize()`
+        see the values, and no tracer of this trace is kept past it.
+        """
+        leaves, tree = jax.tree_util.tree_flatten(x)
+        tag = self.tag
+        if any(isinstance(v, ImplicitTracer) and v.owner.tag is tag for v in leaves):
+            x = jax.tree_util.tree_unflatten(tree, [self.to_value(v) for v in leaves])
+        return self.wrap(x)
+
     def unwrap_tree(self, tree: Any) -> Any:
         """Replace this trace's tracers by their values, at any depth of `tree`."""
         if isinstance(tree, (list, tuple)) and not any(

@@ -8,9 +8,13 @@ says what each use does:
    `MaterializationWarning`;
 2. conversions to a dense array (`np.asarray`, `jnp.asarray`, `jnp.array`, `bool`, `int`,
    `float`, `complex`) materialize it with a `MaterializationWarning`;
-3. `jnp` and `jax.nn` functions raise a `TypeError` that names the type and
+3. `jnp`, `jax.nn` and `jax.lax` functions raise a `TypeError` that names the type and
    `qax.use_implicit_args`: they cannot reach handlers, and densifying behind the user's
    back would hide the missing wrapper.
+
+An implicit array built *inside* the wrapped function (``jnp.sum(Lora(w, a, b))``,
+``lax.dot_general(x, Wrap(arg), ...)``) is a value of the current trace for all of
+these, as an implicit argument is.
 
 Without 1 and 2, NumPy would treat an implicit array as a nested sequence (it has
 `__len__` and `__getitem__`) and call ``x[0], x[1], ...`` until an `IndexError` that JAX's
@@ -29,8 +33,13 @@ import numpy as np
 
 from . import _errors
 from ._base import ImplicitBase
-from ._compat import Tracer, jax_array_asker
-from ._entry import densify, enter_current_trace, use_implicit_args
+from ._compat import Tracer, jax_array_asker, register_bind_converter
+from ._entry import (
+    densify,
+    enter_current_trace,
+    implicit_args_active,
+    use_implicit_args,
+)
 
 
 def _has_traced_leaves(x: ImplicitBase) -> bool:
@@ -61,6 +70,10 @@ def to_numpy(
 def jax_array_protocol(x: ImplicitBase) -> Any:
     """The `__jax_array__` attribute, which JAX reads in three kinds of places.
 
+    Inside `use_implicit_args` (an implicit array built in the wrapped function), the
+    first two get a function that returns `x` as a value of the current trace: `jnp`
+    functions then see it as they see an implicit argument. Outside:
+
     - Its array constructors (`jnp.asarray`, `jnp.array`): get a function that returns the
       materialized array (rule 2), under `jit` too.
     - The array-like check that starts every `jnp` function: gets an error that names
@@ -69,6 +82,10 @@ def jax_array_protocol(x: ImplicitBase) -> Any:
       that Python calls this type's reflected operator, where handlers apply (rule 1).
     """
     asker, function = jax_array_asker(1)
+    if asker != "operator" and implicit_args_active():
+        # Built inside the wrapped function: the value of the current trace, exactly as
+        # an implicit argument would be there.
+        return lambda: enter_current_trace((x,))[0]
     if asker == "constructor":
         return lambda: _densify(x, "jnp.asarray")
     if asker == "check":
@@ -79,6 +96,25 @@ def jax_array_protocol(x: ImplicitBase) -> Any:
             )
         )
     raise AttributeError("__jax_array__")
+
+
+def bind_operand(x: ImplicitBase) -> Any:
+    """`x` handed to `Primitive.bind` directly (``lax.dot_general(y, x, ...)``).
+
+    Inside `use_implicit_args`, the value of the current trace (as for operators);
+    outside, a `TypeError` naming `qax.use_implicit_args` (rule 3).
+    """
+    wrapped = enter_current_trace((x,))
+    if wrapped is None:
+        raise TypeError(
+            _errors.OUTSIDE_WRAPPER.format(
+                function="a jax.lax function", cls=type(x).__name__
+            )
+        )
+    return wrapped[0]
+
+
+register_bind_converter(ImplicitBase, bind_operand)
 
 
 def getitem(x: ImplicitBase, index: Any) -> Any:

@@ -127,6 +127,30 @@ def _prop_zeros_mul(primitive, z: PropZeros, other: qax.ArrayValue):
     return PropZeros(shape=shape, dtype=jnp.result_type(z.dtype, other.dtype))
 
 
+@dataclass
+class PropDiag(qax.ImplicitArray):
+    """Declared, with a handler for ``x @ diag``: a broadcast multiply."""
+
+    d: qax.ArrayValue = qax.array_field(ndim=1)
+
+    def compute_shape(self):
+        return (*self.d.shape[:-1], self.d.shape[-1], self.d.shape[-1])
+
+    def compute_dtype(self):
+        return self.d.dtype
+
+    def materialize(self):
+        return jnp.diag(self.d)
+
+
+@qax.primitive_handler("dot_general")
+def _prop_diag_matmul(primitive, x: jax.Array, w: PropDiag, *, dimension_numbers, **kw):
+    (lc, rc), (lb, rb) = dimension_numbers
+    if w.ndim != 2 or lb or rb or tuple(lc) != (x.ndim - 1,) or tuple(rc) != (0,):
+        return NotImplemented
+    return (x * w.d).astype(kw.get("preferred_element_type") or x.dtype)
+
+
 def make_input(kind: str, seed: int):
     k = jax.random.split(jax.random.PRNGKey(seed), 3)
 
@@ -178,6 +202,66 @@ OPS = {
 }
 
 
+# Implicit values built inside the wrapped function around the current value `h` (an
+# implicit argument, a value derived from one, or one built earlier: nesting grows
+# along the program), then used by operators and JAX functions (`jnp`, `lax`,
+# `jax.nn`). The oracle runs the same program with each construction replaced by the
+# dense array it stands for (`BUILD_DENSE`).
+_FA = 0.5 * jax.random.normal(jax.random.PRNGKey(7), (N, 2))
+_FB = 0.5 * jax.random.normal(jax.random.PRNGKey(8), (N, 2))
+BUILD_DENSE = [False]
+
+
+def _built(implicit, dense):
+    if not BUILD_DENSE[0]:
+        return implicit()
+    # An implicit array's `aval` is never weakly typed: neither is the dense array it
+    # stands for.
+    out = dense()
+    return jnp.asarray(out, dtype=out.dtype)
+
+
+def _diag_of(h):  # (well conditioned: values grow along a program)
+    return 0.5 + 0.5 * jnp.tanh(jnp.mean(h, axis=0) if jnp.ndim(h) == 2 else h)
+
+
+def _diag_right(h, y):
+    if jnp.ndim(h) not in (1, 2):
+        return h
+    d = _diag_of(h)
+    return _built(lambda: h @ PropDiag(d), lambda: h @ jnp.diag(d))
+
+
+def _lax_dot(h, y):
+    if jnp.ndim(h) not in (1, 2):
+        return h
+    return lax.dot_general(y, h, (((1,), (0,)), ((), ())))
+
+
+BUILD_OPS = {
+    "build_scaled": lambda h, y: _built(
+        lambda: PropScaled(h, jnp.asarray(1.5)), lambda: h * jnp.asarray(1.5)
+    ),
+    "build_shift": lambda h, y: _built(
+        lambda: PropShift(h, jnp.asarray(0.25)), lambda: h + jnp.asarray(0.25)
+    ),
+    "build_lora": lambda h, y: (
+        h
+        if jnp.ndim(h) != 2
+        else _built(lambda: PropLora(h, _FA, _FB), lambda: h + _FA @ _FB.T)
+    ),
+    "build_outer": lambda h, y: (
+        h if jnp.ndim(h) < 1 else _built(lambda: PropOuter(h, y[0]), lambda: h + y[0])
+    ),
+    "diag_right": _diag_right,
+    "jnp_matmul": lambda h, y: h if jnp.ndim(h) < 1 else jnp.matmul(h, y),
+    "lax_dot": _lax_dot,
+    "einsum": lambda h, y: h if jnp.ndim(h) < 1 else jnp.einsum("...j,jk->...k", h, y),
+    "add_sum": lambda h, y: h + jnp.sum(h),
+    "nn_gelu": lambda h, y: jax.nn.gelu(h),
+}
+
+
 @jax.custom_jvp
 def _soft(h):
     return h / (1.0 + jnp.abs(h))
@@ -192,7 +276,7 @@ def _soft_jvp(primals, tangents):
 def apply_block(block, h, y):
     for item in block:
         if isinstance(item, str):
-            h = OPS[item](h, y)
+            h = OPS[item](h, y) if item in OPS else BUILD_OPS[item](h, y)
         else:
             transform, inner = item
             h = TRANSFORMS[transform](
@@ -216,11 +300,14 @@ TRANSFORMS = {
 }
 
 
-def blocks(depth: int):
-    op = st.sampled_from(sorted(OPS))
+_PLAIN_OPS = tuple(sorted(OPS))
+
+
+def blocks(depth: int, ops=_PLAIN_OPS):
+    op = st.sampled_from(ops)
     if depth == 0:
         return st.lists(op, min_size=1, max_size=3)
-    wrapped = st.tuples(st.sampled_from(sorted(TRANSFORMS)), blocks(depth - 1))
+    wrapped = st.tuples(st.sampled_from(sorted(TRANSFORMS)), blocks(depth - 1, ops))
     return st.lists(st.one_of(op, wrapped), min_size=1, max_size=4)
 
 
@@ -274,11 +361,31 @@ OUTER = ["none", "jit", "grad_y", "grad_leaves", "vmap_outside"]
     outer=st.sampled_from(OUTER),
 )
 def test_random_programs_match_the_materialized_computation(kind, seed, program, outer):
+    check_program(kind, seed, program, outer)
+
+
+class _Dense:
+    """Within it, the constructions of `BUILD_OPS` give the dense arrays."""
+
+    def __enter__(self):
+        BUILD_DENSE[0] = True
+
+    def __exit__(self, *exc):
+        BUILD_DENSE[0] = False
+
+
+def check_program(kind, seed, program, outer):
+    """`qax.use_implicit_args(f)(x, y)` against `f` on the materialized `x`, under
+    `outer`, where `f` runs `program`."""
     x = make_input(kind, seed)
     y = 0.5 * jax.random.normal(jax.random.PRNGKey(seed + 1), (N, N))
 
-    def f(x, y):
+    def f_implicit(x, y):
         return apply_block(program, x, y)
+
+    def f(x, y):  # the dense program
+        with _Dense():
+            return apply_block(program, x, y)
 
     what = f"{kind} {program} {outer}"
     with warnings.catch_warnings():
@@ -292,11 +399,13 @@ def test_random_programs_match_the_materialized_computation(kind, seed, program,
             # each example is rebuilt from its leaves, whether or not its type
             # declares batch axes.
             stacked = jax.vmap(lambda s: make_input(kind, s))(jnp.arange(3) + seed)
-            got = jax.vmap(qax.use_implicit_args(f), in_axes=(0, None))(stacked, y)
+            got = jax.vmap(qax.use_implicit_args(f_implicit), in_axes=(0, None))(
+                stacked, y
+            )
             want = jax.vmap(f, in_axes=(0, None))(dense(stacked), y)
             assert_same(got, want, what)
         elif outer in ("none", "jit"):
-            g = qax.use_implicit_args(f)
+            g = qax.use_implicit_args(f_implicit)
             if outer == "jit":
                 g = jax.jit(g)
             assert_same(g(x, y), f(dense(x), y), what)
@@ -306,7 +415,7 @@ def test_random_programs_match_the_materialized_computation(kind, seed, program,
                 return lambda x, y: jnp.sum(jnp.cos(dense(fn(x, y))))
 
             want = dense_or_reject(jax.grad(loss(f), argnums=1), dense(x), y)
-            got = jax.grad(loss(qax.use_implicit_args(f)), argnums=1)(x, y)
+            got = jax.grad(loss(qax.use_implicit_args(f_implicit)), argnums=1)(x, y)
             assert_same(got, want, what)
         else:
             leaves, tree = jax.tree_util.tree_flatten(x)
@@ -323,9 +432,30 @@ def test_random_programs_match_the_materialized_computation(kind, seed, program,
                 return of_leaves
 
             want = dense_or_reject(jax.grad(loss(f, True)), leaves)
-            got = jax.grad(loss(qax.use_implicit_args(f), False))(leaves)
+            got = jax.grad(loss(qax.use_implicit_args(f_implicit), False))(leaves)
             for g_leaf, w_leaf in zip(got, want, strict=True):
                 assert_same(g_leaf, w_leaf, what)
+
+
+# Implicit values built inside the wrapped function (around arguments, values derived
+# from them and each other), drawn often among the ordinary operations.
+_WITH_BUILDS = tuple(sorted(OPS)) + tuple(sorted(BUILD_OPS)) * 2
+
+
+@hypothesis.settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=list(hypothesis.HealthCheck),
+    derandomize=os.environ.get("QAX_PROPERTY_EXAMPLES") is None,
+)
+@hypothesis.given(
+    kind=st.sampled_from(KINDS),
+    seed=st.integers(0, 2**16),
+    program=blocks(2, _WITH_BUILDS),
+    outer=st.sampled_from(OUTER),
+)
+def test_random_programs_building_implicit_values_inside(kind, seed, program, outer):
+    check_program(kind, seed, program, outer)
 
 
 @hypothesis.settings(
