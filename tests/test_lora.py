@@ -1143,6 +1143,7 @@ def test_a_rule_setting_batch_ndim_leaves_biases_and_norms_alone():
             "kernel": normal((3, 8, 8), seed=1) * 0.3,
             "bias": normal((3, 8), seed=2),
             "norm": {"scale": 1 + normal((3, 8), seed=3)},
+            "conv": {"bias": normal((3, 8, 1), seed=7)},  # Equinox-style, stacked
         },
         "head": {"kernel": normal((8, 4), seed=4), "bias": normal((4,), seed=5)},
     }
@@ -1152,14 +1153,14 @@ def test_a_rule_setting_batch_ndim_leaves_biases_and_norms_alone():
     assert lora["layers"]["kernel"].b.shape == (3, 2, 8)  # one b per layer
     assert lora["layers"]["bias"] is params["layers"]["bias"]
     assert lora["layers"]["norm"]["scale"] is params["layers"]["norm"]["scale"]
+    assert lora["layers"]["conv"]["bias"] is params["layers"]["conv"]["bias"]
     assert lora["head"]["kernel"].b.shape == (2, 4)
     assert lora["head"]["bias"] is params["head"]["bias"]
 
     def model(p, x):
         def body(h, layer):
-            return jnp.tanh(h @ layer["kernel"] + layer["bias"]) * layer["norm"][
-                "scale"
-            ], None
+            h = jnp.tanh(h @ layer["kernel"] + layer["bias"]) * layer["norm"]["scale"]
+            return h + layer["conv"]["bias"][:, 0], None
 
         return (
             lax.scan(body, x, p["layers"])[0] @ p["head"]["kernel"] + p["head"]["bias"]
