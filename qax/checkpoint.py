@@ -22,7 +22,7 @@ with `register_dataclass`) are described and rebuilt the same way.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Final
 
 import jax
 
@@ -34,7 +34,7 @@ from ._tree_util import key_value
 
 __all__ = ["describe", "rebuild", "register_dataclass"]
 
-_NOT_A_DATACLASS = (
+_NOT_A_DATACLASS: Final = (
     "register_dataclass: {cls} must be a dataclass registered as a pytree with "
     "`jax.tree_util.register_dataclass`, its static fields marked "
     "`dataclasses.field(metadata={{'static': True}})` (as `qax.lora.LoraAdapter`)."

@@ -141,16 +141,21 @@ def implicit_shardings(tree: Any, specs: Any, mesh: jax.sharding.Mesh) -> Any:
     Raises:
       ValueError: as `implicit_specs`.
     """
-    fitted = _fit_to_mesh(tree, implicit_specs(tree, specs), mesh)
+    notes: list[str] = []
+    fitted = _fit_to_mesh(tree, implicit_specs(tree, specs), mesh, notes)
+    for note in notes:
+        warnings.warn(note, stacklevel=2)
     return jax.tree_util.tree_map(
         lambda spec: NamedSharding(mesh, spec), fitted, is_leaf=is_spec_leaf
     )
 
 
-def _fit_to_mesh(tree: Any, specs: Any, mesh: jax.sharding.Mesh) -> Any:
+def _fit_to_mesh(
+    tree: Any, specs: Any, mesh: jax.sharding.Mesh, notes: list[str]
+) -> Any:
     """`specs` with each dimension of an implicit array's leaf that the mesh cannot
     split evenly (the block scales of a weight with fewer blocks than devices along
-    the split) replicated, with a warning that names it."""
+    the split) replicated; `notes` gets a message naming each."""
     sizes = dict(mesh.shape)
 
     def ways(entry: Any) -> tuple[int, Any]:
@@ -173,7 +178,7 @@ def _fit_to_mesh(tree: Any, specs: Any, mesh: jax.sharding.Mesh) -> Any:
                 if entry is None or n % k == 0:
                     continue
                 entries[dim] = None
-                warnings.warn(
+                notes.append(
                     INDIVISIBLE_LEAF.format(
                         field=path_string(where),
                         cls=type(x).__name__,
@@ -183,8 +188,7 @@ def _fit_to_mesh(tree: Any, specs: Any, mesh: jax.sharding.Mesh) -> Any:
                         n=n,
                         ways=k,
                         axis=axis,
-                    ),
-                    stacklevel=4,
+                    )
                 )
             out.append(PartitionSpec(*entries))
         return treedef.unflatten(out)

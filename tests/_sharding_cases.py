@@ -412,6 +412,7 @@ def test_implicit_shardings_replicate_block_scales_a_mesh_axis_cannot_split():
     with pytest.warns(UserWarning, match=r"absmax.*'w'.*\(2, 32\).*'m'") as seen:
         shardings = qax.sharding.implicit_shardings(params, specs, mesh)
     assert len(seen) == 1, [str(x.message) for x in seen]
+    assert seen[0].filename == __file__  # points at the caller's line
     assert shardings["w"].packed.spec == P("m", None)  # 32 rows of codes: split 4 ways
     assert shardings["w"].absmax.spec == P(None, None)  # 2 blocks: replicated
     assert shardings["v"].spec == P("m", None)
