@@ -102,6 +102,11 @@ NB = "_qax_nb"
 STACKED = "_qax_stacked"
 
 
+# Instance attribute of an implicit array that the user's code built inside
+# `use_implicit_args`: its fields stay readable there (see `ImplicitTracer`).
+BUILT = "_qax_built"
+
+
 def is_implicit(x: Any) -> bool:
     return isinstance(x, ImplicitBase)
 

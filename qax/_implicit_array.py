@@ -134,7 +134,11 @@ def _enter_built(value: ImplicitBase) -> Any:
     if not fields_of(type(value)).declared and not _fits_its_shape(value):
         return value
     wrapped = enter_current_trace((value,))
-    return value if wrapped is None else wrapped[0]
+    if wrapped is None:
+        return value
+    if isinstance(wrapped[0], ImplicitTracer):
+        wrapped[0].value.__dict__[base.BUILT] = True
+    return wrapped[0]
 
 
 def _fits_its_shape(value: ImplicitBase) -> bool:

@@ -18,7 +18,15 @@ import numpy as np
 
 from . import _dispatch, _errors
 from ._arrival import PRODUCTS, arrived_operands, stored_fields
-from ._base import NB, STACKED, ImplicitBase, is_implicit, quiet_materialization
+from ._base import (
+    BUILT,
+    NB,
+    STACKED,
+    ImplicitBase,
+    in_rule,
+    is_implicit,
+    quiet_materialization,
+)
 from ._compat import (
     ArrayImpl,
     ClosedJaxpr,
@@ -81,6 +89,8 @@ class ImplicitTracer(Tracer):
         except AttributeError:
             value = object.__getattribute__(self, "value")
             if name in field_names(type(value)):
+                if BUILT in value.__dict__:  # built by the code that reads it
+                    return getattr(value, name)
                 raise AttributeError(
                     _errors.FIELD_OF_TRACER.format(cls=type(value).__name__, name=name)
                 ) from None
@@ -387,14 +397,18 @@ def call_with_children(trace: ImplicitTrace, fn: Callable, *args: Any, **kwargs:
                     )
                     object.__setattr__(arg, name, wrapped)
                 new_args[i] = arg
-    if not nested:
-        parent = trace.parent_trace
-        if current_trace() is parent:  # inside `bind`, eagerly
-            return fn(*args, **kwargs)
-        with set_current_trace(parent):
-            return fn(*args, **kwargs)
-    with set_current_trace(trace):
-        out = fn(*new_args, **kwargs)
+    token = in_rule.set(True)  # values it builds stay plain implicit arrays
+    try:
+        if not nested:
+            parent = trace.parent_trace
+            if current_trace() is parent:  # inside `bind`, eagerly
+                return fn(*args, **kwargs)
+            with set_current_trace(parent):
+                return fn(*args, **kwargs)
+        with set_current_trace(trace):
+            out = fn(*new_args, **kwargs)
+    finally:
+        in_rule.reset(token)
     if out is NotImplemented or isinstance(out, _dispatch.Declined):
         return out
     return trace.unwrap_tree(out)
