@@ -299,8 +299,13 @@ def split(params: Any) -> tuple[Any, Any]:
     def frozen(x: Any) -> Any:
         return x.w if _is_lora(x) else x
 
-    adapters = jax.tree_util.tree_map(adapter, params, is_leaf=_is_lora)
-    base = jax.tree_util.tree_map(frozen, params, is_leaf=_is_lora)
+    # Every implicit array is one weight: None at a quantized weight without LoRA (not
+    # a copy of its type with None fields, which `combine` would take for an adapter).
+    def is_weight(x: Any) -> bool:
+        return isinstance(x, qax.ImplicitArray)
+
+    adapters = jax.tree_util.tree_map(adapter, params, is_leaf=is_weight)
+    base = jax.tree_util.tree_map(frozen, params, is_leaf=is_weight)
     return adapters, base
 
 
