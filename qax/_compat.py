@@ -11,6 +11,7 @@ and names the function here to fix when one is gone.
 from __future__ import annotations
 
 import sys
+import types
 from collections.abc import Callable
 
 import jax
@@ -556,3 +557,13 @@ CALL_PRIMITIVES = tuple(
         if p is not CALL_JAXPR_P
     }
 )
+
+
+def frame_variable(frame: types.FrameType, name: str) -> object:
+    """The local or closure variable `name` of the Python `frame`, or None.
+
+    For what another library's function was called with where it offers no public way
+    to ask (`qax.nnx` reads ``allow_int`` of Flax's `nnx.grad` wrapper, for an error
+    message only); `tests/test_compat.py` checks that closure variables are readable.
+    """
+    return frame.f_locals.get(name)

@@ -63,6 +63,7 @@ except ImportError as e:  # pragma: no cover (flax is in the test extra)
 
 from . import _errors
 from ._base import ImplicitBase
+from ._compat import frame_variable
 from ._interpreter import ImplicitTracer
 from ._optax import apply_updates
 
@@ -164,7 +165,7 @@ def _whole_variable_grad() -> bool:
             if code.co_name == "_grad_split_fn":
                 split = True
             elif code.co_name == "grad_wrapper" and split:
-                return frame.f_locals.get("allow_int") is False
+                return frame_variable(frame, "allow_int") is False
         frame = frame.f_back
     return False
 

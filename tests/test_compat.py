@@ -346,3 +346,18 @@ def test_shardy_barrier_and_varying_axes_helpers():
     )
     x = jnp.ones(3)
     assert _compat.insert_collective_pvary(("i",), x) is x  # outside shard_map
+
+
+def test_frame_variable_reads_a_closure_variable():
+    # `qax.nnx` reads `allow_int`, a closure variable of Flax's `nnx.grad` wrapper.
+
+    def outer(allow_int):
+        def wrapper():
+            assert allow_int in (False, True)  # a closure variable of this frame
+            return sys._getframe(0)
+
+        return wrapper
+
+    assert _compat.frame_variable(outer(False)(), "allow_int") is False
+    assert _compat.frame_variable(outer(True)(), "allow_int") is True
+    assert _compat.frame_variable(outer(True)(), "missing") is None
