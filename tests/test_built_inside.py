@@ -163,18 +163,24 @@ def test_built_around_an_argument_inside_shard_map():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("i",))
     spec = jax.sharding.PartitionSpec
 
-    def f(base, x):
-        def body(x, base):  # (closing over an implicit argument is not supported)
+    def passed(base, x):
+        def body(x, base):
             return x @ Wrap(base)
 
         return jax.shard_map(
             body, mesh=mesh, in_specs=(spec("i"), spec()), out_specs=spec("i")
         )(x, base)
 
-    for run in (qax.use_implicit_args(f), jax.jit(qax.use_implicit_args(f))):
-        with _policy(Scaled2, Wrap):
-            got = run(Scaled2(V), X)
-        assert_close(got, X @ (2.0 * V))
+    def closed_over(base, x):  # (JAX's own shard_map trace cannot hold `base`)
+        return jax.shard_map(
+            lambda x: x @ Wrap(base), mesh=mesh, in_specs=spec("i"), out_specs=spec("i")
+        )(x)
+
+    for f in (passed, closed_over):
+        for run in (qax.use_implicit_args(f), jax.jit(qax.use_implicit_args(f))):
+            with _policy(Scaled2, Wrap):
+                got = run(Scaled2(V), X)
+            assert_close(got, X @ (2.0 * V))
 
 
 # ----------------------------------------------------------------------------------------

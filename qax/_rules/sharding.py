@@ -40,7 +40,6 @@ from .._interpreter import ImplicitTrace, materialize_and_bind
 from .._partition import Undeclared, child_specs, first_undeclared, leaf_specs
 from ._staging import (
     _enter,
-    _has_implicit,
     _leaf_shardings,
     _leaves,
     _Outputs,
@@ -104,9 +103,9 @@ def _reshard(x: Any, spec: Any, axis_sizes: Any, local: bool) -> Any:
 
 
 def _shard_map_rule(trace, primitive, fun, vals, params):
-    if not _has_implicit(vals):
-        with set_current_trace(trace.parent_trace):
-            return primitive.bind(*vals, subfuns=(fun,), **params)
+    # The body is interpreted even without implicit operands: it may close over this
+    # call's implicit values (or build some around them), which JAX's own `shard_map`
+    # trace cannot hold.
     mesh = params["mesh"]
     with set_current_trace(trace.parent_trace):
         vals = [_fit_spec(v, s) for v, s in zip(vals, params["in_specs"], strict=True)]
