@@ -1172,3 +1172,17 @@ def test_a_rule_setting_batch_ndim_leaves_biases_and_norms_alone():
     np.testing.assert_allclose(
         got, model(qax.lora.merge(lora), x), rtol=1e-5, atol=1e-5
     )
+
+
+@pytest.mark.parametrize("case", ["static", "traced", "fori_loop", "vmap_T"])
+def test_one_layer_of_a_qlora_stack_stays_implicit(case):
+    """The LoRA handlers slice the quantized base too (its own handlers keep it)."""
+    f = _LAYER_CASES[case]
+    base = qax.quant.quantize({"w": normal((3, 8, 4), seed=4)}, "int8", batch_ndim=1)
+    lora = qax.lora.loraify(base, 2, key=jax.random.key(5), batch_ndim=1)["w"]
+    lora = dataclasses.replace(lora, b=lora.b + 0.1)
+    x = normal((5, 8), seed=7)
+    with qax.materialization_policy(qax.ImplicitArray, "error"):
+        got = qax.use_implicit_args(f)(lora, x)
+    want = f(qax.lora.merge(lora), x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
