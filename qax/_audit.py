@@ -190,11 +190,17 @@ class MaterializationRecord:
       cls: the implicit class that was materialized.
       shape, dtype: of the materialized array.
       nbytes: its size in bytes.
-      source: ``file:line (function)`` of the user code that triggered it (the line a
-        warning would point at), or None.
+      source: ``file:line (function)`` of the model code that triggered it (the line a
+        warning points at): the innermost frame outside qax and JAX, in an installed
+        library too (a layer's own line), or None.
       phase: ``"forward"``, or ``"backward"`` if it happened while JAX ran a backward
         (transpose) pass, e.g. inside `jax.grad` applied within `qax.use_implicit_args`.
       policy: what it did: ``"allow"``, ``"warn"`` or ``"error"`` (it raised).
+      weight: where the materialized value is among the arguments of
+        `qax.use_implicit_args` (``"fc1/kernel of argument 0"``: its key path), when
+        qax knows it (a value computed inside, or one of a body qax reused, has none).
+      caller: the user's own line that reached `source` (the first frame outside every
+        installed package), when it is another line; otherwise None.
     """
 
     primitive: str
@@ -205,6 +211,8 @@ class MaterializationRecord:
     source: str | None
     phase: Literal["forward", "backward"]
     policy: Policy
+    weight: str | None = None
+    caller: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The record as a plain dict (the class as its name), e.g. for a DataFrame."""
@@ -239,6 +247,8 @@ class MaterializationAudit:
                 source=event.source,
                 phase="backward" if in_backward_pass() else "forward",
                 policy=policy,
+                weight=event.weight,
+                caller=event.caller,
             )
         )
 

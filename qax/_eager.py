@@ -253,7 +253,10 @@ def _build_lane(trace, leaves, vals, run, context, seen: _Seen) -> Any:
 
 
 def _sourceless(events: list) -> list:
-    return [dataclasses.replace(e, source=None) for e in events]
+    """The events without where they happened (their lines, the weight they name)."""
+    return [
+        dataclasses.replace(e, source=None, caller=None, weight=None) for e in events
+    ]
 
 
 def _operator(name: str) -> Callable:

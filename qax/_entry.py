@@ -49,6 +49,7 @@ from ._interpreter import (
     materialize_one_layer,
 )
 from ._report import QAX_DIR, quietly, report_materialization
+from ._report import arguments as report_arguments
 
 
 def _check_entry(x: ImplicitBase) -> None:
@@ -126,7 +127,8 @@ def use_implicit_args(f: Callable) -> Callable:
         trace = reused or new_trace(parent, ImplicitTag())
         token = check_declared_avals.set(False)
         try:
-            out = _run(trace, f, leaves, treedef, variables)
+            with report_arguments(args, kwargs):  # names what is materialized
+                out = _run(trace, f, leaves, treedef, variables)
         except Exception as e:
             _raise_if_half_built(leaves, e)
             _show_once(e)

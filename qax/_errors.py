@@ -55,12 +55,15 @@ class MaterializationError(RuntimeError):
         template = (
             MATERIALIZATION_FORBIDDEN_BECAUSE if reason else MATERIALIZATION_FORBIDDEN
         )
+        weight, caller = getattr(event, "weight", None), getattr(event, "caller", None)
         super().__init__(
             template.format(
                 primitive=event.primitive,
                 cls=event.cls.__name__,
-                aval=f"{event.dtype}{list(event.shape)}",
-                source=event.source or "an unknown line",
+                aval=f"{event.dtype}{list(event.shape)}"
+                + (f", {weight}" if weight else ""),
+                source=(event.source or "an unknown line")
+                + (f", reached from {caller}" if caller else ""),
                 phase=phase,
                 rule=rule,
                 reason=reason,
@@ -85,6 +88,22 @@ MATERIALIZE_WARNING: Final = (
     "Primitive {primitive} was not handled by class {cls}, so implicit args will be "
     "materialized."
 )
+
+# Appended to a `MaterializationWarning` (which points at the model's line): which
+# weight, and the user's line that reached the model's, when qax knows them.
+MATERIALIZED_WEIGHT: Final = " The {cls} is {weight}."
+MATERIALIZED_FROM: Final = " Reached from {caller}."
+
+
+def where_words(event: Any) -> str:
+    """The sentences that name the weight and the user's line of a materialization."""
+    words = ""
+    if getattr(event, "weight", None):
+        words += MATERIALIZED_WEIGHT.format(cls=event.cls.__name__, weight=event.weight)
+    if getattr(event, "caller", None):
+        words += MATERIALIZED_FROM.format(caller=event.caller)
+    return words
+
 
 MATERIALIZATION_FORBIDDEN: Final = """\
 Primitive {primitive} was not handled by class {cls}, so a {cls} ({aval}) would be \

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import qax
+from qax import _report
 from tests.helpers import PlainMatmulLora, QuietLora, TransposableLora, make_lora
 
 KEYS = jax.random.split(jax.random.PRNGKey(0), 4)
@@ -165,6 +166,8 @@ def test_audit_as_data_and_table():
         "source": rows[1]["source"],
         "phase": "forward",
         "policy": "allow",
+        "weight": rows[1]["weight"],
+        "caller": rows[1]["caller"],
     }
     table = str(audit)
     assert table.splitlines()[0] == (
@@ -383,41 +386,115 @@ class Unhandled(qax.ImplicitArray):
         return self.x
 
 
-def test_source_skips_installed_libraries_and_names_the_users_line():
-    # Flax lives in site-packages: the source must be the user's line that called the
-    # layer, not `flax/linen/linear.py` where the unhandled `dot_general` is bound.
+def test_source_is_the_layers_line_in_an_installed_library_and_names_the_weight():
+    # Flax lives in site-packages: the source is the model's own line (the innermost
+    # frame outside qax and JAX: `flax/linen/linear.py`, where the unhandled
+    # `dot_general` is bound), the user's line that reached it is `caller`, and the
+    # weight is named by its path among the arguments (issue 36, 1).
     nn = pytest.importorskip("flax.linen")
-    kernel = Unhandled(jax.random.normal(KEYS[1], (5, 7)))
 
     def flax_model(params, x):
-        return nn.Dense(7).apply(params, x)  # the user's line
+        features = params["params"]["kernel"].shape[1]
+        return nn.Dense(features).apply(params, x)  # the user's line
 
-    params = {"params": {"kernel": kernel, "bias": jnp.zeros(7)}}
-    with qax.materialization_policy(Unhandled, "allow"):
-        with qax.materialization_audit() as audit:
+    def with_kernel(n):
+        kernel = Unhandled(jax.random.normal(KEYS[1], (5, n)))
+        return {"params": {"kernel": kernel, "bias": jnp.zeros(n)}}
+
+    params = with_kernel(7)
+    for run in (qax.use_implicit_args, lambda f: jax.jit(qax.use_implicit_args(f))):
+        with qax.materialization_policy(Unhandled, "allow"):
+            with qax.materialization_audit() as audit:
+                run(flax_model)(params, X)
+        assert [r.primitive for r in audit] == ["dot_general"], audit
+        (record,) = audit
+        assert record.source.startswith(inspect.getsourcefile(nn.Dense)), record
+        assert record.caller == line_of(flax_model, "the user's line")
+        assert record.weight == "params/kernel of argument 0"
+    # Shapes of their own for the warning and the error: a call that reuses the body
+    # traced above reports without the weight (the body names the first call's).
+    params = with_kernel(8)
+    with pytest.warns(qax.MaterializationWarning) as warned:
+        qax.use_implicit_args(flax_model)(params, X)
+    (warning,) = warned
+    assert warning.filename == inspect.getsourcefile(nn.Dense)  # points at the layer
+    message = str(warning.message)
+    assert "params/kernel of argument 0" in message, message
+    assert line_of(flax_model, "the user's line") in message, message
+    params = with_kernel(9)
+    with qax.materialization_policy(Unhandled, "error"):
+        with pytest.raises(qax.MaterializationError) as info:
             qax.use_implicit_args(flax_model)(params, X)
-    assert [r.primitive for r in audit] == ["dot_general"], audit
-    assert audit[0].source == line_of(flax_model, "the user's line")
+    error = str(info.value)
+    for part in ("params/kernel of argument 0", "linear.py", "(flax_model)"):
+        assert part in error, error
 
 
-def test_source_skips_any_site_packages_directory(tmp_path, monkeypatch):
-    # A virtualenv keeps site-packages outside the standard library's directory: a
-    # library installed there is not the user's code either.
-    package = tmp_path / "venv" / "lib" / "site-packages" / "fakelib_qax_audit"
+def _fake_library(root, name):
+    """A library installed in a site-packages directory under `root`."""
+    package = root / "lib" / "site-packages" / name
     package.mkdir(parents=True)
     (package / "__init__.py").write_text(
         "def layer(w, x):\n    return x @ w  # library line\n"
     )
+    return package
+
+
+@pytest.mark.parametrize("layout", ["virtualenv", "python-in-usr-local"])
+def test_source_is_the_models_line_in_any_site_packages(tmp_path, monkeypatch, layout):
+    # A virtualenv keeps site-packages outside the standard library's directory; a
+    # Python built into /usr/local keeps it inside: either way the library's line is
+    # the model's line, not the standard library's (skipped) or the user's.
+    name = f"fakelib_qax_audit_{layout.replace('-', '_')}"
+    package = _fake_library(tmp_path / "venv", name)
+    if layout == "python-in-usr-local":
+        monkeypatch.setattr(
+            _report, "_STDLIB_DIR", str(tmp_path / "venv" / "lib") + "/"
+        )
     monkeypatch.syspath_prepend(str(package.parent))
-    import fakelib_qax_audit
+    library = __import__(name)
 
-    kernel = Unhandled(jax.random.normal(KEYS[1], (5, 7)))
+    # A shape of its own: a body that qax traced before for the same shapes would be
+    # reused, and its report does not name the weight (it was another call's).
+    kernel = Unhandled(jax.random.normal(KEYS[1], (5, 11 + len(layout))))
 
-    def user_model(w, x):
-        return fakelib_qax_audit.layer(w, x)  # the user's line
+    def user_model(params, x):
+        return library.layer(params["blocks"][1], x)  # the user's line
 
+    params = {"blocks": [jnp.zeros((5, 7)), kernel]}
     with qax.materialization_policy(Unhandled, "allow"):
         with qax.materialization_audit() as audit:
-            qax.use_implicit_args(user_model)(kernel, X)
+            qax.use_implicit_args(user_model)(params, X)
     assert [r.primitive for r in audit] == ["dot_general"], audit
-    assert audit[0].source == line_of(user_model, "the user's line")
+    assert audit[0].source == f"{package / '__init__.py'}:2 (layer)"
+    assert audit[0].caller == line_of(user_model, "the user's line")
+    assert audit[0].weight == "blocks/1 of argument 0"
+
+
+def test_a_value_computed_inside_or_replayed_is_not_named():
+    # Only a value that is one of the arguments is named: not one computed inside,
+    # and not the events of a body traced for other arguments and reused (it would
+    # name the weight of the first call).
+    a = Unhandled(jax.random.normal(KEYS[1], (5, 3)))  # shapes seen nowhere else
+    b = Unhandled(jax.random.normal(KEYS[2], (5, 3)))
+
+    def f(params, x):
+        return x @ next(iter(params.values()))  # the user's line
+
+    def g(w, x):
+        return x @ Unhandled(w)
+
+    records = []
+    with qax.materialization_policy(Unhandled, "allow"):
+        for params in ({"first": a}, {"second": b}, {"third": a}):
+            with qax.materialization_audit() as audit:
+                qax.use_implicit_args(f)(params, X)
+            (key,) = params
+            assert [r.weight for r in audit] in ([f"{key} of argument 0"], [None])
+            records += list(audit)
+        with qax.materialization_audit() as inside:
+            qax.use_implicit_args(g)(jnp.ones((5, 3)), X)
+    assert len(records) == 3 and records[0].weight == "first of argument 0"
+    assert all(r.source == line_of(f, "the user's line") for r in records)
+    assert all(r.caller is None for r in records)  # the user's line is the source
+    assert [r.weight for r in inside] == [None] * len(inside) and len(inside) >= 1

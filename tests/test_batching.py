@@ -174,9 +174,10 @@ def test_warnings_about_batch_axes_give_the_types_own_advice(cls):
         if cls is Diagonal:
             assert "make_diagonals" not in text and "declared ranks" in text, text
         else:
-            assert text.endswith(
-                "To keep it implicit: build stacks with `make_diagonals(..., layers=n)`."
-            ), text
+            # The advice ends the reason (then which argument it was, issue 36, 1).
+            advice = "To keep it implicit: build stacks with `make_diagonals(...)`."
+            advice = advice.replace("...", "..., layers=n")
+            assert advice + " The" in text or text.endswith(advice), text
             assert "array_field" not in text, text
     if cls is AdvisedDiagonal:
         assert "axis 0 is not one of them" in messages[0]

@@ -160,8 +160,10 @@ def test_not_implemented_falls_back_to_materialization_with_warning():
     with pytest.warns(qax.MaterializationWarning) as record:
         out = f(T(jnp.ones((2, 2))))
     assert_close(out, jnp.sin(jnp.ones((2, 2))))
+    # The original Qax's text, then which argument it was (issue 36, 1).
     assert str(record[0].message) == (
-        "Primitive sin was not handled by class NotImpl, so implicit args will be materialized."
+        "Primitive sin was not handled by class NotImpl, so implicit args will be "
+        "materialized. The NotImpl is argument 0."
     )
     assert issubclass(qax.MaterializationWarning, UserWarning)
     assert record[0].filename == __file__  # points at the user's line, not into JAX

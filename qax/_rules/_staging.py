@@ -38,7 +38,7 @@ from .._eager import sub_trace
 from .._entry import densify
 from .._interpreter import ImplicitTrace
 from .._partition import Undeclared, first_undeclared, leaf_specs
-from .._report import recording
+from .._report import recording, same_values
 
 # ----------------------------------------------------------------------------------------
 # Staging a body on implicit values
@@ -139,9 +139,11 @@ def trace_body(
 
     def flat_body(*leaves):
         sub = ImplicitTrace(current_trace(), trace.tag)
-        wrapped = [sub.wrap(v) for v in jax.tree_util.tree_unflatten(in_tree, leaves)]
-        with set_current_trace(sub):
+        values = jax.tree_util.tree_unflatten(in_tree, leaves)
+        wrapped = [sub.wrap(v) for v in values]
+        with set_current_trace(sub), same_values(in_vals, values):  # names in reports
             outs = body(wrapped)
+        del values
         del wrapped
         outs = _unwrap_all(sub, outs)
         if fix_outs is not None:
