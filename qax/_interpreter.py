@@ -358,6 +358,11 @@ def materialize_one_layer(trace: ImplicitTrace, value: ImplicitBase) -> Any:
             f"array declares shape {tuple(value.shape)} and dtype {value.dtype}. Fix "
             "`materialize()` or the declared shape/dtype."
         )
+    if got.weak_type and not isinstance(out, ImplicitBase) and not value.aval.weak_type:
+        # The dense array has the weak type JAX saw for the implicit value (`aval`),
+        # so that what follows promotes dtypes as it would have.
+        with set_current_trace(trace.parent_trace):
+            out = jax.lax.convert_element_type(out, got.dtype)
     return out
 
 
