@@ -358,3 +358,39 @@ def test_split_puts_none_at_a_quantized_weight_without_an_adapter():
     assert_close(got, qax.use_implicit_args(f)(adapters, base, X))
     want = X @ (qax.materialize_nested(q["a"], full=True) + A @ B)
     assert_close(got, want + X @ qax.materialize_nested(q["b"], full=True), rtol=1e-4)
+
+
+def test_an_nnx_module_that_assembles_its_weights_in_call():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class LoraLinear(nnx.Module):
+        def __init__(self, d_in, d_out, rngs):
+            self.w = nnx.Param(0.1 * jax.random.normal(rngs.params(), (d_in, d_out)))
+            self.a = nnx.Param(0.1 * jax.random.normal(rngs.params(), (d_in, 2)))
+            self.b = nnx.Param(0.1 * jax.random.normal(rngs.params(), (2, d_out)))
+
+        def __call__(self, x, implicit=True):
+            if implicit:  # built at each call, inside the wrapper
+                return x @ LoraWeight(
+                    self.w[...], self.a[...], self.b[...], freeze_w=False
+                )
+            return x @ (self.w[...] + self.a[...] @ self.b[...])
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.l1, self.l2 = LoraLinear(4, 8, rngs), LoraLinear(8, 3, rngs)
+
+        def __call__(self, x, implicit=True):
+            return self.l2(jax.nn.relu(self.l1(x, implicit)), implicit)
+
+    model = Model(nnx.Rngs(0))
+
+    def loss(model, x, implicit=True):
+        return jnp.sum(jnp.sin(model(x, implicit)))
+
+    with _policy(LoraWeight):
+        got = nnx.jit(qax.use_implicit_args(loss))(model, X)
+        grads = nnx.grad(qax.use_implicit_args(loss))(model, X)
+    assert_close(got, loss(model, X, implicit=False))
+    want = nnx.grad(lambda m, x: loss(m, x, implicit=False))(model, X)
+    assert_close(nnx.state(grads), nnx.state(want), rtol=1e-5, atol=1e-6)
