@@ -194,12 +194,13 @@ STACKED_UNDECLARED: Final = (
 )
 
 CONSTRUCTED_CARRY: Final = (
-    "qax: an implicit array in this loop carry (or `cond` branch output) was built inside "
-    "the function wrapped with `qax.use_implicit_args` (or outside it), so JAX's loop "
-    "and `cond` functions see it as a plain pytree, whose structure must stay the same. "
-    "Pass it to the wrapped function as an argument instead (or compute it from one): "
-    "qax then materializes the parts of a carry whose implicit structure changes, with a "
-    "`MaterializationWarning`, as it does for `cond` branches."
+    "qax: an implicit array in this loop carry (or `cond` branch output) is a plain "
+    "pytree to JAX's loop and `cond` functions, whose structure must stay the same: it "
+    "was built outside `qax.use_implicit_args`, or inside it as a stack of a type that "
+    "declares no batch axes (its `materialize()` does not give its declared shape). "
+    "Build it inside the wrapped function with its real shape, or pass it as an "
+    "argument: qax then materializes the parts of a carry whose implicit structure "
+    "changes, with a `MaterializationWarning`, as it does for `cond` branches."
 )
 
 

@@ -394,3 +394,17 @@ def test_an_nnx_module_that_assembles_its_weights_in_call():
     assert_close(got, loss(model, X, implicit=False))
     want = nnx.grad(lambda m, x: loss(m, x, implicit=False))(model, X)
     assert_close(nnx.state(grads), nnx.state(want), rtol=1e-5, atol=1e-6)
+
+
+def test_a_carry_built_outside_and_closed_over_gets_the_cause_and_the_fix():
+    # Built outside the wrapper, the value is a plain pytree to JAX's loops, which
+    # refuse a structure change before qax sees the loop: the error says so.
+    init = qax.symbols.SymbolicConstant(0.0, shape=(3,), dtype=jnp.float32)
+
+    def f(x):
+        return lax.fori_loop(0, 2, lambda i, c: c + x, init)
+
+    with pytest.raises(TypeError, match="pytree structure") as info:
+        with materializations():
+            qax.use_implicit_args(f)(jnp.arange(3.0))
+    assert any("Build it inside" in note for note in info.value.__notes__)
