@@ -40,6 +40,10 @@ from . import lora as lora
 from . import qat as qat
 from . import quant as quant
 
+# isort: split
+# Above every module that keeps a cache, built-ins included.
+from ._caches import clear_caches as clear_caches
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -54,6 +58,7 @@ __all__ = [
     "array_field",
     "aux_field",
     "checkpoint",
+    "clear_caches",
     "constants",
     "decline",
     "default_handler",

@@ -306,6 +306,10 @@ def _materialized_shape(tree: Any, avals: tuple) -> tuple | None:
         return None
 
 
+def clear_caches() -> None:
+    _materialized_shape.cache_clear()
+
+
 def _child_to_elt(cont: Callable, y: Any, axis: int) -> Any:
     """`cont(y, axis)` for a part `y` of a declared value; a nested implicit array of a
     type that declares nothing is a pytree for `vmap`, sliced leaf by leaf only along

@@ -253,6 +253,16 @@ def lookup(primitive: Primitive, types: tuple[type, ...]) -> Callable | None:
     return handler
 
 
+def clear_caches() -> None:
+    """Empty the handler cache, the accepted-keywords cache and the table of JAX's
+    primitive names; registered handlers stay. Bumps `generation`, so that a body
+    cached anywhere under the old one is not reused."""
+    _cache.clear()
+    _accepted.clear()
+    _known_primitives.cache_clear()
+    generation[0] += 1
+
+
 def candidates(primitive: Primitive, types: tuple[type, ...]) -> list[Any]:
     """Every registered plum method that accepts operands of `types`."""
     function = _functions.get(primitive)

@@ -549,6 +549,13 @@ def _forget(key: int, entries: dict = _eager_jits) -> Callable:
 _SEEN_ONCE = object()
 
 
+def clear_caches() -> None:
+    """Forget every lane, operand signature and compiled eager `jit`."""
+    _lanes.clear()
+    _signatures.clear()
+    _eager_jits.clear()
+
+
 # ----------------------------------------------------------------------------------------
 # One eager trace per thread
 

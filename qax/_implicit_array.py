@@ -535,6 +535,19 @@ def _materialized_aval(obj: ImplicitArray) -> Any:
     return found
 
 
+def clear_caches() -> None:
+    """Empty the caches of abstract values and, in every subclass, of `materialize()`'s
+    shape (an instance's own cached aval stays with the instance)."""
+    _plain_aval.cache_clear()
+    classes = [ImplicitArray]
+    while classes:
+        cls = classes.pop()
+        classes += cls.__subclasses__()
+        cache = cls.__dict__.get(_SHAPES)
+        if cache is not None:
+            cache.clear()
+
+
 def _leaf_key(leaf: Any) -> tuple:
     """What tracing `materialize()` sees of one leaf: shape, dtype, weak type."""
     aval = getattr(leaf, "aval", None)  # arrays and tracers, without their sharding

@@ -555,3 +555,9 @@ def _jaxpr_holds(jaxpr: Any) -> bool:
             for eqn in jaxpr.eqns
         )
     return found
+
+
+def clear_caches() -> None:
+    """Empty the caches of shape rules' answers and of jaxprs holding `implicit_p`."""
+    _expected_cache.clear()
+    _holds_cache.clear()

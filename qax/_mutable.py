@@ -36,6 +36,10 @@ def _subclass_memo(variable: type) -> dict[type, bool]:
     return memo
 
 
+def clear_caches() -> None:
+    _memos.clear()
+
+
 def flatten(tree: Any, is_leaf: Callable) -> tuple[list, Any, list]:
     """`jax.tree_util.tree_flatten(tree, is_leaf)`, and the NNX `Variable`s it passed.
 

@@ -115,6 +115,7 @@ def test_the_core_never_imports_the_built_ins():
     above = {
         "qax",
         "qax._optax",
+        "qax._caches",
         "qax.utils",
         "qax.testing",
         "qax.examples",

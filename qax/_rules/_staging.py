@@ -216,6 +216,11 @@ def _store(anchor: Any, key: tuple, value: Any, bodies: Sequence[TracedBody]) ->
         _cache.setdefault(anchor, {})[key] = value
 
 
+def clear_caches() -> None:
+    """Forget every re-traced body and plan."""
+    _cache.clear()
+
+
 # ----------------------------------------------------------------------------------------
 # Materializing, with a reason
 

@@ -455,3 +455,8 @@ def _check_format(
         _groups(fmt, options, shape, dtype, batch_ndim)
     else:
         _probe(fmt, options, shape, dtype, batch_ndim)
+
+
+def clear_caches() -> None:
+    _groups.cache_clear()
+    _check_format.cache_clear()

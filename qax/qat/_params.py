@@ -40,6 +40,10 @@ def _format_class(fmt: Any) -> type:
     return _probe(fmt, (), _PROBE_SHAPE, np.dtype(np.float32), 0)[0]
 
 
+def clear_caches() -> None:
+    _format_class.cache_clear()
+
+
 def _takes(cls: type, name: str) -> bool:
     params = inspect.signature(cls.from_array).parameters
     return name in params or any(
