@@ -1186,3 +1186,168 @@ def test_one_layer_of_a_qlora_stack_stays_implicit(case):
         got = qax.use_implicit_args(f)(lora, x)
     want = f(qax.lora.merge(lora), x)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------
+# What the default filter chooses, decided from the tree's structure; `plan` reports it;
+# a rule that decides no weight is reported (issue 36, items 2, 4 and 6)
+
+
+def griffin_like_params():
+    """Haiku/Griffin naming: ``w`` and ``b``; block-diagonal gates with 2-D biases."""
+    return {
+        "a_gate": {"w": normal((2, 4, 4), seed=1), "b": normal((2, 4), seed=2)},
+        "conv1d": {"w": normal((3, 8), seed=3), "b": normal((8,), seed=4)},
+        "mlp": {"w": normal((8, 8), seed=5), "b": normal((8,), seed=6)},
+        "stack": {"w": normal((3, 8, 8), seed=7), "b": normal((3, 8), seed=8)},
+        # No kernel beside them: two weights named `a` and `b`, not a bias.
+        "pair": {"a": normal((4, 3), seed=9), "b": normal((4, 3), seed=10)},
+    }
+
+
+def test_default_selection_takes_no_bias_named_b_beside_a_kernel():
+    params = griffin_like_params()
+    lora = qax.lora.loraify(params, 2, key=jax.random.key(0))
+    for name in ("a_gate", "conv1d", "mlp", "stack"):
+        assert isinstance(lora[name]["w"], LoraWeight), name
+        assert lora[name]["b"] is params[name]["b"], name
+    assert isinstance(lora["pair"]["a"], LoraWeight)
+    assert isinstance(lora["pair"]["b"], LoraWeight)
+    assert qax.lora.biases(params) == {"a_gate/b", "conv1d/b", "mlp/b", "stack/b"}
+    # Passing `default_filter` itself means the same.
+    same = qax.lora.loraify(
+        params, 2, key=jax.random.key(0), filter=qax.lora.default_filter
+    )
+    assert same["a_gate"]["b"] is params["a_gate"]["b"]
+    # A rule does not adapt a bias either (as it never adapts one named `bias`).
+    ruled = qax.lora.loraify(
+        params, 2, key=jax.random.key(0), rules=[("a_gate/.*", {"rank": 1})]
+    )
+    assert ruled["a_gate"]["w"].a.shape[-1] == 1
+    assert ruled["a_gate"]["b"] is params["a_gate"]["b"]
+
+    def gate(p, x):  # Griffin's BlockDiagonalLinear
+        y = jnp.einsum("...hi,hij->...hj", x, p["a_gate"]["w"]) + p["a_gate"]["b"]
+        return y.reshape(*x.shape[:-2], 8) @ p["mlp"]["w"] + p["mlp"]["b"]
+
+    x = normal((5, 2, 4), seed=11)
+    with qax.materialization_policy(LoraWeight, "error"):
+        got = qax.use_implicit_args(gate)(lora, x)
+    np.testing.assert_allclose(got, gate(qax.lora.merge(lora), x), rtol=1e-5)
+
+
+def test_biases_follow_the_frameworks_layouts():
+    params = {
+        # Flax: (in, out) kernels, the bias along the last axis.
+        "dense": {"kernel": normal((4, 6)), "bias": normal((6,))},
+        # Equinox / PyTorch: (out, in, ...) weights, the bias along the first axis.
+        "conv": {"weight": normal((6, 3, 2, 2)), "bias": normal((6, 1, 1))},
+        # NNX states end in `value`.
+        "nnx": {"kernel": {"value": normal((3, 5))}, "b": {"value": normal((1, 5))}},
+        # The same rank as the kernel: another weight, not a bias.
+        "twin": {"w": normal((4, 4)), "b": normal((4, 4))},
+        # A scale of another size than the kernel's outputs is not its bias.
+        "odd": {"w": normal((4, 4, 6)), "b": normal((4, 5))},
+    }
+    assert qax.lora.biases(params) == {"dense/bias", "conv/bias", "nnx/b/value"}
+
+
+def test_plan_reports_what_the_default_filter_chose_and_skipped():
+    params = {
+        **griffin_like_params(),
+        "embed": {"embedding": normal((11, 8))},
+        "norm": {"scale": normal((8,))},
+        "ids": jnp.zeros((4, 4), jnp.int32),
+    }
+    plan = qax.lora.plan(params, 2, rules=[("mlp/w", {"rank": 4})])
+    lora = qax.lora.loraify(
+        params, 2, key=jax.random.key(0), rules=[("mlp/w", {"rank": 4})]
+    )
+    # The oracle: what loraify did.
+    adapted = {
+        qax.utils.path_string(p)
+        for p, x in qax.utils.tree_flatten_with_path_with_implicit(lora)[0]
+        if isinstance(x, LoraWeight)
+    }
+    assert {row.path for row in plan.chosen} == adapted
+    rows = {row.path: row for row in plan.rows}
+    assert set(rows) == {
+        qax.utils.path_string(p)
+        for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
+    assert rows["a_gate/b"].why == "bias" and not rows["a_gate/b"].chosen
+    assert rows["embed/embedding"].why == "embedding"
+    assert rows["norm/scale"].why == "normalisation"
+    assert rows["conv1d/b"].why == "bias"
+    assert rows["ids"].why == "not floating point"
+    assert rows["mlp/w"].detail == "rank 4: a (8, 4), b (4, 8)"
+    assert rows["a_gate/w"].detail == "rank 2: a (2, 4, 2), b (2, 4)"
+    assert rows["a_gate/w"].shape == (2, 4, 4)
+    text = str(plan)
+    for path, row in rows.items():
+        assert path in text and str(row.shape) in text
+    assert "mlp/w" in text and "rule 'mlp/w'" in text
+    assert f"{len(adapted)} of {len(rows)}" in text
+
+
+def test_the_embedding_exclusion_leaves_convolution_kernels_to_the_filter():
+    params = {
+        "patch_embedding": {"kernel": normal((2, 2, 3, 8), seed=1) * 0.3},
+        "pos_embedding": normal((1, 4, 8), seed=2),
+        "embedder": {"input_embedding": normal((11, 8), seed=3)},
+    }
+    assert qax.lora.default_filter("patch_embedding/kernel", jnp.ones((2, 2, 3, 8)))
+    lora = qax.lora.loraify(params, 2, key=jax.random.key(0))
+    assert isinstance(lora["patch_embedding"]["kernel"], LoraWeight)
+    assert lora["pos_embedding"] is params["pos_embedding"]
+    assert lora["embedder"]["input_embedding"] is params["embedder"]["input_embedding"]
+    lora = jax.tree_util.tree_map(  # a nonzero b: the adapter counts
+        lambda x: (
+            dataclasses.replace(x, b=normal(x.b.shape, seed=4))
+            if isinstance(x, LoraWeight)
+            else x
+        ),
+        lora,
+        is_leaf=lambda x: isinstance(x, LoraWeight),
+    )
+
+    def patches(p, images):  # a ViT's patch embedding
+        y = lax.conv_general_dilated(
+            images,
+            p["patch_embedding"]["kernel"],
+            (2, 2),
+            "VALID",
+            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        )
+        return y.reshape(y.shape[0], -1, 8) + p["pos_embedding"]
+
+    images = normal((2, 4, 4, 3), seed=5)
+    got = qax.use_implicit_args(patches)(lora, images)
+    np.testing.assert_allclose(
+        got, patches(qax.lora.merge(lora), images), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_a_rule_that_decides_no_weight_is_reported():
+    params = {"layer_0": {"attn": {"q_einsum": {"w": normal((2, 8, 4))}}}}
+    rules = [("q_einsum", {"rank": 4})]
+    with pytest.warns(UserWarning, match="'q_einsum' matched no weight") as caught:
+        lora = qax.lora.loraify(params, 2, key=jax.random.key(0), rules=rules)
+    assert caught[0].filename == __file__  # points at the call
+    assert "layer_0/attn/q_einsum/w" in str(caught[0].message)  # the closest path
+    assert lora["layer_0"]["attn"]["q_einsum"]["w"].a.shape[-1] == 2  # not 4
+    with pytest.raises(ValueError, match="'q_einsum' matched no weight"):
+        qax.lora.loraify(
+            params, 2, key=jax.random.key(0), rules=rules, strict_rules=True
+        )
+    # A rule shadowed by an earlier one decides nothing either.
+    shadowed = [(".*", {"rank": 3}), (".*/w", {"rank": 4})]
+    with pytest.warns(UserWarning, match="'.\\*/w' decided no weight: .*'.\\*'"):
+        qax.lora.loraify(params, 2, key=jax.random.key(0), rules=shadowed)
+    # Rules that decide something say nothing.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qax.lora.loraify(
+            params, 2, key=jax.random.key(0), rules=[(".*q_einsum.*", {"rank": 4})]
+        )
+    assert "q_einsum" in str(qax.lora.plan(params, 2, rules=rules))

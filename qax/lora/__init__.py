@@ -67,7 +67,16 @@ from __future__ import annotations
 import qax
 
 from . import _stacks  # noqa: F401 (registers more handlers)
-from ._params import combine, default_filter, loraify, merge, split, trainable_count
+from ._params import (
+    combine,
+    default_filter,
+    loraify,
+    merge,
+    plan,
+    split,
+    trainable_count,
+)
+from ._select import Plan, PlanRow, biases, check_rules, unmatched_rules
 from ._weight import LoraAdapter, LoraWeight
 
 # Public here before it moved to `qax.utils` (the parameter-tree helpers' home).
@@ -76,11 +85,17 @@ path_string = qax.utils.path_string
 __all__ = [
     "LoraAdapter",
     "LoraWeight",
+    "Plan",
+    "PlanRow",
+    "biases",
+    "check_rules",
     "combine",
     "default_filter",
     "loraify",
     "merge",
     "path_string",
+    "plan",
     "split",
     "trainable_count",
+    "unmatched_rules",
 ]

@@ -16,6 +16,14 @@ import numpy as np
 
 import qax
 
+from ._select import (
+    Plan,
+    PlanRow,
+    _first_rule,
+    biases,
+    check_rules,
+    unmatched_rules,
+)
 from ._weight import LoraAdapter, LoraWeight
 
 
@@ -23,21 +31,30 @@ def _is_lora(x: Any) -> bool:
     return isinstance(x, LoraWeight)
 
 
-_EXCLUDED = re.compile(r"embed|norm|bias|^ln(_|\d|$)|^wte$|^wpe$|^(pos|tok)_emb", re.I)
-# What a rule never adapts, whatever its settings: biases and normalisation parameters
-# (a rule that sets `batch_ndim` for a stack of layers matches them too).
-_NEVER_BY_RULE = re.compile(r"norm|bias|^ln(_|\d|$)", re.I)
+# What the default filter leaves out, by name (`default_filter`), with the reason.
+_EMBEDDING = re.compile(r"embed|^wte$|^wpe$|^(pos|tok)_emb", re.I)
+_NORM = re.compile(r"norm|^ln(_|\d|$)", re.I)
+_BIAS = re.compile(r"bias", re.I)
 
 
 def default_filter(path: str, leaf: Any) -> bool:
     """`loraify`'s default: every floating-point weight with 2 or more axes, except
     embeddings, normalisation parameters and biases.
 
-    A weight is left out when a component of its path contains ``embed``, ``norm`` or
-    ``bias`` (``embedding``, ``Embed_0``, ``layer_norm``, ``RMSNorm``; Equinox
-    convolution biases have shape ``(out, 1, 1)``), starts with ``ln`` followed
-    by ``_``, a digit or nothing (``ln_f``, ``ln1``), or is ``wte``/``wpe`` (GPT-2's token
-    and position tables).
+    A weight is left out when a component of its path contains ``norm`` or ``bias``
+    (``layer_norm``, ``RMSNorm``; Equinox convolution biases have shape
+    ``(out, 1, 1)``), starts with ``ln`` followed by ``_``, a digit or nothing
+    (``ln_f``, ``ln1``), or when it has at most 3 axes and a component contains
+    ``embed`` or is ``wte``/``wpe`` (embedding tables such as ``embedding``,
+    ``Embed_0``, GPT-2's token and position tables, a ViT's ``(1, n, d)``
+    ``pos_embedding``; a convolution kernel of 4 or more axes, such as a ViT's
+    ``patch_embedding/kernel`` ``(p, p, c, d)``, is a weight).
+
+    On a whole tree, `loraify`, `qax.quant.quantize` and `qax.qat.fake_quantize` also
+    leave out the biases that `biases` finds from the tree's structure (Haiku's and
+    Griffin's ``b`` beside ``w``) when ``filter`` is this function or ``None``; a
+    filter of your own that calls it can do the same with `biases`. `plan` shows
+    what was chosen and why.
 
     Examples:
         >>> qax.lora.default_filter("h_0/attn/c_attn/kernel", jnp.ones((4, 12)))
@@ -52,11 +69,32 @@ def default_filter(path: str, leaf: Any) -> bool:
     Returns:
       Whether the parameter gets a LoRA.
     """
+    return _left_out(path, leaf) is None
+
+
+def _left_out(path: str, leaf: Any) -> str | None:
+    """Why `default_filter` leaves ``leaf`` out (``None``: it does not)."""
+    parts = path.split("/")
+    if any(_BIAS.search(part) for part in parts):
+        return "bias"
+    if any(_NORM.search(part) for part in parts):
+        return "normalisation"
     if not hasattr(leaf, "shape") or len(leaf.shape) < 2:
-        return False
+        return "fewer than 2 axes"
     if not jnp.issubdtype(leaf.dtype, jnp.floating):
-        return False
-    return not any(_EXCLUDED.search(part) for part in path.split("/"))
+        return "not floating point"
+    if len(leaf.shape) <= 3 and any(_EMBEDDING.search(part) for part in parts):
+        return "embedding"
+    return None
+
+
+def _default_reason(filter: Any, found: frozenset) -> Callable[[str, Any], str | None]:
+    """``reason(path, leaf)``: why a selection leaves a leaf out (``None``: chosen),
+    with ``filter`` (``None`` or `default_filter`: by name and by the tree's biases,
+    `found`)."""
+    if filter is not None and filter is not default_filter:
+        return lambda path, leaf: None if filter(path, leaf) else "filter"
+    return lambda path, leaf: "bias" if path in found else _left_out(path, leaf)
 
 
 _BAD_SPLIT = (
@@ -78,6 +116,7 @@ def loraify(
     dtype: Any = None,
     batch_ndim: int | Callable[[str, Any], int] = 0,
     rules: Any = None,
+    strict_rules: bool = False,
 ) -> Any:
     """Turn chosen weights of any params pytree into `LoraWeight`s.
 
@@ -103,7 +142,9 @@ def loraify(
       alpha: the scale numerator (``alpha / rank``); ``None`` means a scale of 1.
       filter: ``filter(path, leaf) -> bool`` chooses the weights; ``path`` is the leaf's
         key path as ``"a/b/c"`` (NNX states end in ``/value``). Default:
-        `default_filter` (every 2-D+ weight but embeddings and norms).
+        `default_filter` (every 2-D+ weight but embeddings and norms), and no bias
+        that `biases` finds in ``params`` (``b`` beside ``w``). `plan` shows what it
+        chooses.
       split_at: where a weight's axes split between the factors: ``a`` takes the axes
         before it, ``b`` the rest (an int, or a function of ``(path, leaf)``). Default:
         all but the last axis go to ``a`` (Flax ``(in, out)`` kernels and
@@ -133,10 +174,14 @@ def loraify(
         ``rank``, ``alpha``, ``split_at``, ``a_axes``, ``freeze_w``, ``dtype`` and
         ``batch_ndim``
         for that weight, which is then chosen whatever ``filter`` says (but biases
-        and normalisation parameters, as `default_filter` names them, are never
-        adapted by a rule, and a weight with too few axes for the rule's
-        ``batch_ndim`` is left alone); or ``None``, to leave it alone. Weights that no pattern matches are chosen by ``filter``
-        and get this call's settings.
+        and normalisation parameters, as `default_filter` and `biases` find them,
+        are never adapted by a rule, and a weight with too few axes for the rule's
+        ``batch_ndim`` is left alone); or ``None``, to leave it alone. Weights that no
+        pattern matches are chosen by ``filter`` and get this call's settings. A rule
+        that decides no weight (its pattern matches no path: patterns match whole
+        paths; or only paths an earlier rule decides) gives a warning that names it
+        and the closest paths (`check_rules`).
+      strict_rules: raise instead of warning about a rule that decides no weight.
 
     Returns:
       ``params`` with the chosen weights replaced by `LoraWeight`s.
@@ -144,7 +189,8 @@ def loraify(
     Raises:
       ValueError: ``rank`` is not positive, ``split_at`` leaves a factor no axis,
         ``a_axes`` names no axis, every axis or an axis twice, or a rule is malformed
-        (see `qax.utils.path_rules`).
+        (see `qax.utils.path_rules`), or, under ``strict_rules``, a rule decides no
+        weight.
     """
     defaults = {
         "rank": rank,
@@ -157,23 +203,129 @@ def loraify(
     }
     lookup = qax.utils.path_rules(rules, tuple(defaults), "loraify")
     _check_rank(rank)
-    choose = default_filter if filter is None else filter
+    decide = _decider(params, defaults, filter, rules, lookup)
+    seen = []
 
     def convert(path, leaf):
         name = qax.utils.path_string(path)
+        if hasattr(leaf, "shape"):
+            seen.append(name)
         if _is_lora(leaf):
             return leaf
-        matched, settings = lookup(name)
-        if matched and settings is None:
+        settings, _, stacked = decide(name, leaf)
+        if settings is None:
             return leaf
-        if not matched and not choose(name, leaf):
-            return leaf
-        if matched and any(_NEVER_BY_RULE.search(p) for p in name.split("/")):
-            return leaf
-        stacked = bool(settings) and "batch_ndim" in settings
-        return _adapted(name, leaf, key, {**defaults, **(settings or {})}, stacked)
+        return _adapted(name, leaf, key, settings, stacked)
 
-    return qax.utils.tree_map_with_path_with_implicit(convert, params)
+    out = qax.utils.tree_map_with_path_with_implicit(convert, params)
+    check_rules(rules, seen, "loraify", strict=strict_rules, stacklevel=2)
+    return out
+
+
+def _decider(
+    params: Any, defaults: dict, filter: Any, rules: Any, lookup: Any
+) -> Callable[[str, Any], tuple[dict | None, str, bool]]:
+    """``decide(path, leaf) -> (settings, why, stacked)``: `loraify`'s choice for one
+    weight: its settings (``None``: left alone), what decided, and whether a rule gave
+    its ``batch_ndim``."""
+    found = biases(params)
+    reason = _default_reason(filter, found)
+    by = "default filter" if filter is None or filter is default_filter else "filter"
+
+    def decide(name: str, leaf: Any) -> tuple[dict | None, str, bool]:
+        matched, settings = lookup(name)
+        if matched:
+            rule = f"rule {_first_rule(rules, name)!r}"
+            if settings is None:
+                return None, f"{rule}: None", False
+            parts = name.split("/")
+            if name in found or any(_BIAS.search(p) for p in parts):
+                return None, "bias (never by a rule)", False
+            if any(_NORM.search(p) for p in parts):
+                return None, "normalisation (never by a rule)", False
+            stacked = "batch_ndim" in settings
+            return {**defaults, **settings}, rule, stacked
+        why = reason(name, leaf)
+        if why is not None:
+            return None, why, False
+        return dict(defaults), by, False
+
+    return decide
+
+
+def plan(
+    params: Any,
+    rank: int,
+    *,
+    filter: Callable[[str, Any], bool] | None = None,
+    split_at: int | Callable[[str, Any], int] | None = None,
+    a_axes: Sequence[int] | Callable[[str, Any], Sequence[int]] | None = None,
+    batch_ndim: int | Callable[[str, Any], int] = 0,
+    rules: Any = None,
+) -> Plan:
+    """What `loraify` with these arguments would do to each weight, without doing it.
+
+    Takes `loraify`'s arguments that choose and shape the adapters. Each leaf with a
+    shape gets a `PlanRow`: adapted or not, what decided (the filter, a rule, or the
+    reason it is left out: ``"bias"``, ``"embedding"``, ``"normalisation"``, ``"fewer
+    than 2 axes"``...), and the factors' shapes; rules that would decide no weight are
+    listed. ``print(plan)`` shows a table.
+
+    Examples:
+        >>> params = {"gate": {"w": jnp.ones((2, 64, 64)), "b": jnp.ones((2, 64))}}
+        >>> print(qax.lora.plan(params, 8))
+        loraify converts 1 of 2 leaves:
+          gate/b  (2, 64)      float32  skipped: bias
+          gate/w  (2, 64, 64)  float32  rank 8: a (2, 64, 8), b (8, 64) (default filter)
+
+    Args:
+      params: the parameters, as for `loraify`.
+      rank, filter, split_at, a_axes, batch_ndim, rules: as for `loraify`.
+
+    Returns:
+      A `Plan`.
+
+    Raises:
+      ValueError: as `loraify` for these arguments.
+    """
+    defaults = {
+        "rank": rank,
+        "alpha": None,
+        "split_at": split_at,
+        "a_axes": a_axes,
+        "freeze_w": True,
+        "dtype": None,
+        "batch_ndim": batch_ndim,
+    }
+    lookup = qax.utils.path_rules(rules, tuple(defaults), "loraify")
+    _check_rank(rank)
+    decide = _decider(params, defaults, filter, rules, lookup)
+    rows = []
+    for path, leaf in qax.utils.tree_flatten_with_path_with_implicit(params)[0]:
+        if not hasattr(leaf, "shape"):
+            continue
+        name = qax.utils.path_string(path)
+        shape, dtype = tuple(leaf.shape), str(jnp.dtype(leaf.dtype))
+        if _is_lora(leaf):
+            rows.append(PlanRow(name, shape, dtype, False, "already a LoraWeight"))
+            continue
+        settings, why, stacked = decide(name, leaf)
+        layout = None if settings is None else _layout(name, leaf, settings, stacked)
+        if layout is None:
+            if settings is not None:
+                why = f"{why}: fewer than batch_ndim + 2 axes"
+            rows.append(PlanRow(name, shape, dtype, False, why))
+            continue
+        _check_rank(settings["rank"])
+        lead, one, a, b = layout
+        r = int(settings["rank"])
+        detail = (
+            f"rank {r}: a {(*lead, *(one[i] for i in a), r)}, "
+            f"b {(*lead, r, *(one[i] for i in b))}"
+        )
+        rows.append(PlanRow(name, shape, dtype, True, why, detail))
+    seen = [row.path for row in rows]
+    return Plan("loraify", tuple(rows), unmatched_rules(rules, seen, "loraify"))
 
 
 def _check_rank(rank: Any) -> None:
@@ -188,15 +340,10 @@ def _adapted(
     `stacked`: a rule gave its ``batch_ndim`` (it is then part of a stack)."""
     rank = s["rank"]
     _check_rank(rank)
-    nb = s["batch_ndim"](name, leaf) if callable(s["batch_ndim"]) else s["batch_ndim"]
-    if len(leaf.shape) - nb < 2:
-        if stacked:
-            return leaf  # a stack of vectors, by the rule: nothing to adapt
-        nb = 0  # too few axes for a stack: one weight (the head beside the layers)
-    if len(leaf.shape) < 2:
+    layout = _layout(name, leaf, s, stacked)
+    if layout is None:
         return leaf
-    lead, shape = tuple(leaf.shape[:nb]), tuple(leaf.shape[nb:])
-    a_axes, b_axes = _factor_axes(name, leaf, shape, s)
+    lead, shape, a_axes, b_axes = layout
     factor_dtype = s["dtype"] or leaf.dtype
     k = jax.random.fold_in(key, zlib.crc32(name.encode()) % (2**31))
     a_shape = tuple(shape[i] for i in a_axes)
@@ -209,6 +356,21 @@ def _adapted(
         )
     except ValueError as error:  # name the weight
         raise ValueError(f"loraify, the weight at {name!r}: {error}") from None
+
+
+def _layout(name: str, leaf: Any, s: dict, stacked: bool) -> tuple | None:
+    """``(lead, shape, a_axes, b_axes)`` of the `LoraWeight` that `_adapted` makes
+    (the stack's axes, one weight's shape, the axes of ``a`` and ``b``), or ``None``
+    where it leaves `leaf` alone."""
+    nb = s["batch_ndim"](name, leaf) if callable(s["batch_ndim"]) else s["batch_ndim"]
+    if len(leaf.shape) - nb < 2:
+        if stacked:
+            return None  # a stack of vectors, by the rule: nothing to adapt
+        nb = 0  # too few axes for a stack: one weight (the head beside the layers)
+    if len(leaf.shape) < 2:
+        return None
+    lead, shape = tuple(leaf.shape[:nb]), tuple(leaf.shape[nb:])
+    return (lead, shape, *_factor_axes(name, leaf, shape, s))
 
 
 _BAD_AXES = (
