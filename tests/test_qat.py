@@ -571,3 +571,18 @@ def test_quantize_takes_the_codes_of_a_fake_quant():
     assert isinstance(kernel, qax.lora.LoraWeight)
     assert isinstance(kernel.w, qax.quant.Int8Weight)
     np.testing.assert_array_equal(kernel.w.q, convert(qat)["attn"]["kernel"].q)
+
+
+def test_fake_quantize_reports_a_rule_that_decides_no_weight_and_skips_biases():
+    params = {
+        "q_einsum": {"w": normal((2, 8, 64), 1), "b": normal((2, 64), 2)},
+    }
+    rules = [("q_einsum", {"clip_ratio": 0.9})]
+    with pytest.warns(UserWarning, match="'q_einsum' matched no weight") as caught:
+        qat = fake_quantize(params, "int8", rules=rules)
+    assert caught[0].filename == __file__
+    assert "q_einsum/w" in str(caught[0].message)
+    assert isinstance(qat["q_einsum"]["w"], FakeQuant)
+    assert qat["q_einsum"]["b"] is params["q_einsum"]["b"]  # a bias (issue 36)
+    with pytest.raises(ValueError, match="fake_quantize: the rule 'q_einsum'"):
+        fake_quantize(params, "int8", rules=rules, strict_rules=True)

@@ -986,3 +986,57 @@ def test_a_rule_setting_batch_ndim_keeps_stacked_vectors_dense():
     assert qax.utils.batch_ndim(q["layers"]["kernel"]) == 1
     assert q["layers"]["bias"] is params["layers"]["bias"]
     assert isinstance(q["head"]["kernel"], Int8Weight)
+
+
+# ----------------------------------------------------------------------------------------
+# The default selection skips biases by the tree's structure; `plan` reports it; a rule
+# that decides no weight is reported; errors name the weight (issue 36, items 2, 4, 6)
+
+
+def test_quantize_keeps_biases_named_b_beside_a_kernel_and_plan_reports_it():
+    params = {
+        "a_gate": {"w": normal((2, 64, 64), seed=1), "b": normal((2, 64), seed=2)},
+        "mlp": {"w": normal((64, 96), seed=3), "b": normal((96,), seed=4)},
+        "head": {"kernel": normal((64, 40), seed=5)},  # 40: no block of 64 fits
+        "patch_embedding": {"kernel": normal((2, 2, 3, 64), seed=6)},
+    }
+    with pytest.warns(UserWarning, match="head/kernel"):
+        q = qax.quant.quantize(params, "nf4", block_size=32)
+    assert q["a_gate"]["b"] is params["a_gate"]["b"]
+    assert isinstance(q["a_gate"]["w"], NF4Weight)
+    assert isinstance(q["patch_embedding"]["kernel"], NF4Weight)
+    plan = qax.quant.plan(params, "nf4", block_size=32)
+    quantized = {
+        qax.utils.path_string(p)
+        for p, x in qax.utils.tree_flatten_with_path_with_implicit(q)[0]
+        if isinstance(x, QuantizedWeight)
+    }
+    assert {row.path for row in plan.chosen} == quantized  # the oracle: quantize
+    rows = {row.path: row for row in plan.rows}
+    assert rows["a_gate/b"].why == "bias"
+    assert rows["head/kernel"].why == (
+        "the last axis (40) is not a multiple of the block size 32"
+    )
+    assert rows["mlp/w"].detail == "NF4Weight, block_size=32"
+    text = str(plan)
+    assert "NF4Weight" in text and "a_gate/b" in text and "(2, 64)" in text
+    ruled = qax.quant.plan(params, "nf4", rules=[("head/.*", {"format": "int8"})])
+    assert {r.path: r for r in ruled.rows}["head/kernel"].detail == "Int8Weight"
+
+
+def test_quantize_with_a_filter_names_the_weight_the_format_cannot_hold():
+    params = {"blocks": {"kernel": normal((8, 30))}}
+    with pytest.raises(ValueError, match="quantize, the weight at 'blocks/kernel'"):
+        qax.quant.quantize(params, "nf4", filter=lambda path, x: True)
+
+
+def test_quantize_reports_a_rule_that_decides_no_weight():
+    params = {"layer_0": {"attn": {"q_einsum": {"w": normal((2, 8, 64))}}}}
+    rules = [("q_einsum", {"format": "int8"})]
+    with pytest.warns(UserWarning, match="'q_einsum' matched no weight") as caught:
+        q = qax.quant.quantize(params, "nf4", rules=rules)
+    assert caught[0].filename == __file__
+    assert "layer_0/attn/q_einsum/w" in str(caught[0].message)
+    assert isinstance(q["layer_0"]["attn"]["q_einsum"]["w"], NF4Weight)  # not int8
+    with pytest.raises(ValueError, match="quantize: the rule 'q_einsum'"):
+        qax.quant.quantize(params, "nf4", rules=rules, strict_rules=True)

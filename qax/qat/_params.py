@@ -95,6 +95,7 @@ def fake_quantize(
     rules: Any = None,
     clip_ratio: float = 1.0,
     activation_bits: int | None = None,
+    strict_rules: bool = False,
     **options: Any,
 ) -> Any:
     """Wrap chosen weights of a params pytree in `FakeQuant` for quantization-aware
@@ -112,12 +113,15 @@ def fake_quantize(
     Args:
       params: any pytree (Flax linen dict, NNX state, Equinox module, ...).
       fmt: a format name or class that `qax.quant.quantize` accepts.
-      filter: ``filter(path, leaf) -> bool``; default: `qax.lora.default_filter`,
-        skipping (with a warning) weights that the format cannot hold.
+      filter: ``filter(path, leaf) -> bool``; default: `qax.lora.default_filter`
+        (and no bias that `qax.lora.biases` finds in ``params``), skipping (with a
+        warning) weights that the format cannot hold.
       rules: ``[(pattern, settings), ...]`` as in `qax.quant.quantize`; settings may
-        also give ``clip_ratio`` and ``activation_bits``.
+        also give ``clip_ratio`` and ``activation_bits``. A rule that decides no
+        weight gives a warning naming it and the closest paths.
       clip_ratio: see `FakeQuant` (1: no clipping).
       activation_bits: see `FakeQuant` (``None``: weights only).
+      strict_rules: raise instead of warning about a rule that decides no weight.
       **options: the format's options, and ``batch_ndim`` (an int or a function of
         ``(path, leaf)``) for stacked layers.
 
@@ -125,19 +129,23 @@ def fake_quantize(
       ``params`` with `FakeQuant` weights.
 
     Raises:
-      ValueError: an unknown format, a bad rule, or a weight chosen by ``filter`` or a
-        rule that the format cannot hold.
+      ValueError: an unknown format, a bad rule, a weight chosen by ``filter`` or a
+        rule that the format cannot hold, or, under ``strict_rules``, a rule that
+        decides no weight.
     """
     _format_class(fmt)  # an unknown format fails here, naming it
     lookup = qax.utils.path_rules(
         rules, tuple(dict.fromkeys((*_RULE_KEYS, *options))), "fake_quantize"
     )
     skipped = []
+    seen = []
+    default = filter is None or filter is default_filter
+    found = qax.lora.biases(params) if default else frozenset()
 
     def choose(name: str, leaf: Any) -> bool:
-        if filter is not None:
+        if not default:
             return filter(name, leaf)
-        if not default_filter(name, leaf):
+        if not default_filter(name, leaf) or name in found:
             return False
         if not _fits(leaf, fmt, options, name):
             skipped.append(f"{name} {tuple(leaf.shape)}")
@@ -145,6 +153,8 @@ def fake_quantize(
         return True
 
     def wrap(path: Any, leaf: Any) -> Any:
+        if hasattr(leaf, "shape"):
+            seen.append(qax.utils.path_string(path))
         if isinstance(leaf, qax.ImplicitArray) or not hasattr(leaf, "shape"):
             return leaf
         name = qax.utils.path_string(path)
@@ -178,6 +188,9 @@ def fake_quantize(
             "a `filter` that leaves them out.",
             stacklevel=2,
         )
+    qax.lora.check_rules(
+        rules, seen, "fake_quantize", strict=strict_rules, stacklevel=2
+    )
     return out
 
 

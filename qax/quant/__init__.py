@@ -88,7 +88,7 @@ from __future__ import annotations
 from typing import ClassVar  # noqa: F401
 
 from . import _handlers, _indexing  # noqa: F401  (register the handlers)
-from ._params import FORMATS, dequantize, quantize, quantize_dequantize
+from ._params import FORMATS, dequantize, plan, quantize, quantize_dequantize
 from ._types import (
     NF4_LEVELS,
     FP8Weight,
@@ -109,6 +109,7 @@ __all__ = [
     "NF4Weight",
     "QuantizedWeight",
     "dequantize",
+    "plan",
     "quantize_dequantize",
     "quantize",
 ]

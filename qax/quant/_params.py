@@ -6,6 +6,7 @@ This module uses qax's public API only.
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any
 
@@ -77,19 +78,25 @@ def _stack_ndim(nb: Any, name: str, leaf: Any) -> Any:
     return nb
 
 
-def _fits(cls: type, leaf: Any, options: dict, name: str) -> bool:
+def _misfit(cls: type, leaf: Any, options: dict, name: str) -> str | None:
+    """Why the format `cls` with `options` cannot hold `leaf` (``None``: it can): its
+    blocks' axis is not a multiple of the block size."""
     if cls is Int8Weight:
-        return True
+        return None
     size = _skip_size(cls, options)
     nb = _stack_ndim(options.get("batch_ndim", 0), name, leaf)
     try:  # the axis within one weight, from the end
         axis = _block_axis(cls, leaf, options.get("block_axis", -1), nb)
     except ValueError:
-        return True  # from_array names the bad setting
+        return None  # from_array names the bad setting
     n = leaf.shape[axis]
     if issubclass(cls, (FP8Weight, IntKWeight)):  # a bad size is from_array's error
-        return size is None or not isinstance(size, int) or n % size == 0
-    return size % 2 == 0 and n % size == 0
+        if size is None or not isinstance(size, int) or n % size == 0:
+            return None
+    elif size % 2 == 0 and n % size == 0:
+        return None
+    words = _axis_words(options.get("block_axis", -1))
+    return f"{words} ({n}) is not a multiple of the block size {size}"
 
 
 def quantize(
@@ -98,6 +105,7 @@ def quantize(
     *,
     filter: Any = None,
     rules: Any = None,
+    strict_rules: bool = False,
     **options: Any,
 ) -> Any:
     """Replace chosen weights of a params pytree by quantized weights.
@@ -117,7 +125,8 @@ def quantize(
         group-wise).
       filter: ``filter(path, leaf) -> bool`` (``path`` as in `qax.lora.loraify`).
         Default: `qax.lora.default_filter` (every 2-D+ weight but embeddings, norms and
-        biases), skipping weights whose blocks' axis (the last, or ``block_axis``) is
+        biases, also those `qax.lora.biases` finds from the tree's structure: ``b``
+        beside ``w``), skipping weights whose blocks' axis (the last, or ``block_axis``) is
         not a multiple of the block size (the group size of the integer formats), with
         a warning that names them.
       rules: per-path settings, like qwix's rules: an ordered list of ``(pattern,
@@ -131,7 +140,10 @@ def quantize(
         ``rules=[(".*/attn/.*", {"format": "int8"}), (".*/head/.*", None)]``. A rule
         that picks another format than the call's takes, of the call's options, ``batch_ndim``, ``axis``
         (int8, fp8) and the block size (``block_size`` or ``group_size``, under the
-        name the format uses; not int8) with ``block_axis``.
+        name the format uses; not int8) with ``block_axis``. A rule that decides no
+        weight gives a warning naming it and the closest paths
+        (`qax.lora.check_rules`). `plan` shows what is chosen, and why.
+      strict_rules: raise instead of warning about a rule that decides no weight.
       **options: passed to ``from_array``: ``axis`` (int8 and per-channel fp8: an axis
         or a tuple of axes that keep their own scales), ``group_size`` (int4,
         int2...int7 and `IntKWeight`), ``block_size`` (nf4; fp8: block-wise scales
@@ -155,55 +167,34 @@ def quantize(
 
     Raises:
       ValueError: an unknown format, an option that contradicts the format's name
-        (``"int3"`` with ``bits=5``), `IntKWeight` without ``bits``, or a weight chosen
-        by ``filter`` that the format cannot hold.
+        (``"int3"`` with ``bits=5``), `IntKWeight` without ``bits``, a weight chosen
+        by ``filter`` or a rule that the format cannot hold (the message names its
+        path), or, under ``strict_rules``, a rule that decides no weight.
     """
     cls, preset = _format(fmt)
     options = _with_preset(fmt, preset, options)
     _check_options(cls, options)
-    lookup = qax.utils.path_rules(rules, ("format", *_OPTIONS), "quantize")
+    misfits = set()  # the reasons `decide` gives for weights the format cannot hold
+    decide = _decider(params, fmt, cls, options, filter, rules, misfits)
     skipped = []  # chosen by the default filter, but the format cannot hold them
-
-    def choose(path: str, leaf: Any, options: dict) -> bool:
-        if filter is not None:
-            return filter(path, leaf)
-        if not default_filter(path, leaf):
-            return False
-        if not _fits(cls, leaf, options, path):
-            skipped.append(f"{path} {tuple(leaf.shape)}")
-            return False
-        return True
+    seen = []
 
     def one(name: str, leaf: Any, stack: int | None) -> Any:
         """`leaf` quantized (or not) as the weight at `name`; `stack`: the batch
         dimensions of the `LoraWeight` whose base it is."""
-        call = options if stack is None else {**options, "batch_ndim": stack}
-        matched, settings = lookup(name)
-        if matched and settings is None:
+        kind, kwargs, why = decide(name, leaf, stack)
+        if kind is None:
+            if why in misfits:
+                skipped.append(f"{name} {tuple(leaf.shape)}")
             return leaf
-        if not matched and not choose(name, leaf, call):
-            return leaf
-        kind, kwargs = cls, dict(call)
-        if settings:
-            settings = dict(settings)
-            rule_fmt = settings.pop("format", fmt)
-            kind, rule_preset = _format(rule_fmt)
-            if kind is not cls:  # the call's options that this format takes
-                kwargs = _options_for(kind, call)
-            kwargs.update(_with_preset(rule_fmt, rule_preset, settings))
-            _check_options(kind, kwargs)
-        if stack is not None:
-            kwargs["batch_ndim"] = stack  # the base is stacked as its factors are
-        if settings and "batch_ndim" in settings and stack is None:
-            nb = kwargs["batch_ndim"]
-            nb = nb(name, leaf) if callable(nb) else nb
-            if len(leaf.shape) - nb < 2:
-                return leaf  # a stack of vectors, by the rule (biases): kept dense
-        if "batch_ndim" in kwargs:
-            kwargs["batch_ndim"] = _stack_ndim(kwargs["batch_ndim"], name, leaf)
-        return kind.from_array(leaf, **kwargs)
+        try:
+            return kind.from_array(leaf, **kwargs)
+        except ValueError as error:  # name the weight
+            raise ValueError(f"quantize, the weight at {name!r}: {error}") from None
 
     def convert(path, leaf):
+        if hasattr(leaf, "shape"):
+            seen.append(qax.utils.path_string(path))
         if isinstance(leaf, LoraWeight) and not isinstance(leaf.w, qax.ImplicitArray):
             # `quantize(loraify(params))`: the base inside the LoraWeight.
             stack = leaf.a.ndim - leaf.a_ndim
@@ -237,7 +228,144 @@ def quantize(
             "int2...int7; or per-path rules=), or a `filter` that leaves them out.",
             stacklevel=2,
         )
+    qax.lora.check_rules(rules, seen, "quantize", strict=strict_rules, stacklevel=2)
     return out
+
+
+def _decider(
+    params: Any,
+    fmt: Any,
+    cls: type,
+    options: dict,
+    filter: Any,
+    rules: Any,
+    misfits: set | None = None,
+) -> Any:
+    """``decide(path, leaf, stack) -> (kind, kwargs, why)``: `quantize`'s choice for
+    one weight: the class and ``from_array`` options (``kind`` ``None``: kept), and
+    what decided; ``stack``: the batch dimensions of the `LoraWeight` whose base it
+    is (``None``: none). The reasons given for weights that the default filter chose
+    but the format cannot hold are added to ``misfits``."""
+    lookup = qax.utils.path_rules(rules, ("format", *_OPTIONS), "quantize")
+    default = filter is None or filter is default_filter
+    by = "default filter" if default else "filter"
+    left_out = {}  # why the default filter leaves a leaf out (biases by the tree too)
+    if default:
+        for row in qax.lora.plan(params, 1).skipped:
+            left_out[row.path] = row.why
+
+    def reason(path: str, leaf: Any, stack: int | None) -> str | None:
+        if not default:
+            return None if filter(path, leaf) else "filter"
+        if stack is not None:  # the base of a LoraWeight
+            return None if default_filter(path, leaf) else "left out by default_filter"
+        return left_out.get(path)
+
+    def decide(name: str, leaf: Any, stack: int | None) -> tuple:
+        call = options if stack is None else {**options, "batch_ndim": stack}
+        matched, settings = lookup(name)
+        rule = None
+        for pattern, _ in rules or ():
+            if re.fullmatch(pattern, name):
+                rule = f"rule {getattr(pattern, 'pattern', pattern)!r}"
+                break
+        if matched and settings is None:
+            return None, None, f"{rule}: None"
+        if not matched:
+            why = reason(name, leaf, stack)
+            if why is None and default:
+                why = _misfit(cls, leaf, call, name)
+                if why is not None and misfits is not None:
+                    misfits.add(why)
+            if why is not None:
+                return None, None, why
+        kind, kwargs = cls, dict(call)
+        if settings:
+            settings = dict(settings)
+            rule_fmt = settings.pop("format", fmt)
+            kind, rule_preset = _format(rule_fmt)
+            if kind is not cls:  # the call's options that this format takes
+                kwargs = _options_for(kind, call)
+            kwargs.update(_with_preset(rule_fmt, rule_preset, settings))
+            _check_options(kind, kwargs)
+        if stack is not None:
+            kwargs["batch_ndim"] = stack  # the base is stacked as its factors are
+        if settings and "batch_ndim" in settings and stack is None:
+            nb = kwargs["batch_ndim"]
+            nb = nb(name, leaf) if callable(nb) else nb
+            if len(leaf.shape) - nb < 2:  # a stack of vectors, by the rule (biases)
+                return None, None, f"{rule}: fewer than batch_ndim + 2 axes"
+        if "batch_ndim" in kwargs:
+            kwargs["batch_ndim"] = _stack_ndim(kwargs["batch_ndim"], name, leaf)
+        return kind, kwargs, rule or by
+
+    return decide
+
+
+def plan(
+    params: Any,
+    fmt: str | type = "nf4",
+    *,
+    filter: Any = None,
+    rules: Any = None,
+    **options: Any,
+) -> qax.lora.Plan:
+    """What `quantize` with these arguments would do to each weight, without doing it.
+
+    Each leaf with a shape gets a `qax.lora.PlanRow`: quantized or not, what decided
+    (the filter, a rule, or the reason it is kept: ``"bias"``, ``"embedding"``,
+    ``"normalisation"``, a block size that does not divide it...), and the format with
+    its options; rules that would decide no weight are listed. ``print(plan)`` shows a
+    table.
+
+    Examples:
+        >>> params = {"gate": {"w": jnp.ones((2, 64, 64)), "b": jnp.ones((2, 64))}}
+        >>> print(qax.quant.plan(params, "nf4", block_size=32))
+        quantize converts 1 of 2 leaves:
+          gate/b  (2, 64)      float32  skipped: bias
+          gate/w  (2, 64, 64)  float32  NF4Weight, block_size=32 (default filter)
+
+    Args:
+      params, fmt, filter, rules, options: as for `quantize`.
+
+    Returns:
+      A `qax.lora.Plan`.
+
+    Raises:
+      ValueError: as `quantize` for these arguments (before quantizing anything).
+    """
+    cls, preset = _format(fmt)
+    options = _with_preset(fmt, preset, options)
+    _check_options(cls, options)
+    decide = _decider(params, fmt, cls, options, filter, rules)
+    rows = []
+    for path, leaf in qax.utils.tree_flatten_with_path_with_implicit(params)[0]:
+        if not hasattr(leaf, "shape"):
+            continue
+        name = qax.utils.path_string(path)
+        shape, dtype = tuple(leaf.shape), str(jnp.dtype(leaf.dtype))
+        if isinstance(leaf, LoraWeight) and not isinstance(leaf.w, qax.ImplicitArray):
+            kind, kwargs, why = decide(name, leaf.w, leaf.a.ndim - leaf.a_ndim)
+            why = f"{why}, the base of a LoraWeight"
+        elif isinstance(leaf, qax.qat.FakeQuant):
+            kind, kwargs, why = None, {}, "a FakeQuant: becomes its own format"
+        elif isinstance(leaf, qax.ImplicitArray):
+            kind, kwargs, why = None, {}, f"already a {type(leaf).__name__}"
+        else:
+            kind, kwargs, why = decide(name, leaf, None)
+        if kind is None:
+            rows.append(qax.lora.PlanRow(name, shape, dtype, False, why))
+            continue
+        shown = ", ".join(
+            f"{k}={_show(v) if k == 'fp8_dtype' else v!r}"
+            for k, v in kwargs.items()
+            if not (k == "batch_ndim" and v == 0)
+        )
+        detail = f"{kind.__name__}, {shown}" if shown else kind.__name__
+        rows.append(qax.lora.PlanRow(name, shape, dtype, True, why, detail))
+    seen = [row.path for row in rows]
+    unmatched = qax.lora.unmatched_rules(rules, seen, "quantize")
+    return qax.lora.Plan("quantize", tuple(rows), unmatched)
 
 
 def quantize_dequantize(
