@@ -88,6 +88,9 @@ def array_field(
         ...     x: qax.ArrayValue = qax.array_field(ndim="x_ndim")
         ...     s: qax.ArrayValue = qax.array_field(ndim=0)
         ...     x_ndim: int | None = qax.aux_field(default=None)
+        ...
+        ...     def materialize(self):
+        ...         return self.x * self.s
         >>> Scaled(jnp.ones((3, 3, 3)), jnp.ones(())).x_ndim
         3
 

@@ -29,10 +29,16 @@ decodes them, so FSDP gathers int8 / uint8 codes, not the floats they decode to.
 the gathered dimension (as stored) and keeps the others.
 
 Examples:
-    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
-    >>> shardings = qax.sharding.implicit_shardings(params, specs, mesh)
-    >>> params = jax.device_put(params, shardings)
-    >>> step = jax.jit(train_step, in_shardings=(shardings, ...), out_shardings=...)
+    On 8 devices, with `params` holding implicit arrays, `specs` the dense weights'
+    `PartitionSpec`s and a `train_step` of your own (not run by the docstring test,
+    which has one device):
+
+    ```python
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+    shardings = qax.sharding.implicit_shardings(params, specs, mesh)
+    params = jax.device_put(params, shardings)
+    step = jax.jit(train_step, in_shardings=(shardings, ...), out_shardings=...)
+    ```
 """
 
 from __future__ import annotations
@@ -122,9 +128,14 @@ def implicit_shardings(tree: Any, specs: Any, mesh: jax.sharding.Mesh) -> Any:
     `jax.jit(..., in_shardings=..., out_shardings=...)` and orbax restore targets.
 
     Examples:
-        >>> mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
-        >>> shardings = qax.sharding.implicit_shardings(params, specs, mesh)
-        >>> params = jax.device_put(params, shardings)
+        On 8 devices, with `params` and `specs` as in `implicit_specs` (not run by the
+        docstring test, which has one device):
+
+        ```python
+        mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+        shardings = qax.sharding.implicit_shardings(params, specs, mesh)
+        params = jax.device_put(params, shardings)
+        ```
 
     Args:
       tree: a pytree that may hold implicit arrays.
