@@ -354,18 +354,27 @@ def dense_or_reject(fn, *args):
 OUTER = ["none", "jit", "grad_y", "grad_leaves", "vmap_outside"]
 
 
-@hypothesis.settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    suppress_health_check=list(hypothesis.HealthCheck),
-    derandomize=os.environ.get("QAX_PROPERTY_EXAMPLES") is None,
-)
-@hypothesis.given(
-    kind=st.sampled_from(KINDS),
-    seed=st.integers(0, 2**16),
-    program=blocks(2),
-    outer=st.sampled_from(OUTER),
-)
+def _programs(ops):
+    """The hypothesis settings and draws of a test of random programs over `ops`."""
+
+    def decorate(test):
+        given = hypothesis.given(
+            kind=st.sampled_from(KINDS),
+            seed=st.integers(0, 2**16),
+            program=blocks(2, ops),
+            outer=st.sampled_from(OUTER),
+        )
+        return hypothesis.settings(
+            max_examples=EXAMPLES,
+            deadline=None,
+            suppress_health_check=list(hypothesis.HealthCheck),
+            derandomize=os.environ.get("QAX_PROPERTY_EXAMPLES") is None,
+        )(given(test))
+
+    return decorate
+
+
+@_programs(_PLAIN_OPS)
 def test_random_programs_match_the_materialized_computation(kind, seed, program, outer):
     check_program(kind, seed, program, outer)
 
@@ -450,18 +459,7 @@ def check_program(kind, seed, program, outer):
 _WITH_BUILDS = tuple(sorted(OPS)) + tuple(sorted(BUILD_OPS)) * 2
 
 
-@hypothesis.settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    suppress_health_check=list(hypothesis.HealthCheck),
-    derandomize=os.environ.get("QAX_PROPERTY_EXAMPLES") is None,
-)
-@hypothesis.given(
-    kind=st.sampled_from(KINDS),
-    seed=st.integers(0, 2**16),
-    program=blocks(2, _WITH_BUILDS),
-    outer=st.sampled_from(OUTER),
-)
+@_programs(_WITH_BUILDS)
 def test_random_programs_building_implicit_values_inside(kind, seed, program, outer):
     check_program(kind, seed, program, outer)
 
