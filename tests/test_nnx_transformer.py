@@ -53,6 +53,15 @@ PEFT_RULES = [
     (r".*/(kv|qkv)_einsum/kernel/value", {"a_axes": (2,)}),  # (2|3, K, D, H): a (D, r)
 ]
 
+
+def _peft_rules(variant: str) -> list:
+    """`PEFT_RULES` for the kernels a variant has (a rule that matches no weight is
+    reported: the fused variant has no separate query kernel)."""
+    if variant != "fused":  # GQA: a query kernel and a key/value kernel
+        return PEFT_RULES
+    return [rule for rule in PEFT_RULES if "/q_einsum/" not in rule[0]]
+
+
 # The LoRA kernels of one block, by variant: every einsum and MLP kernel; never the
 # (tied) embedding or a norm scale.
 ATTN = {
@@ -104,7 +113,7 @@ def _lora_state(variant: str, fmt: str | None, layout: str):
         key=jax.random.key(1),
         alpha=ALPHA,
         batch_ndim=stacked,
-        rules=PEFT_RULES if layout == "peft" else None,
+        rules=_peft_rules(variant) if layout == "peft" else None,
     )
     # Non-zero `b`, so that the factors change the outputs and both get gradients
     # (numpy's generator: no programs to compile).

@@ -178,8 +178,7 @@ def _first_rule(rules: Any, path: str) -> str | None:
 
 _NO_MATCH = (
     "{caller}: the rule {pattern!r} matched no weight. Patterns match whole paths "
-    "(re.fullmatch); the closest paths: {closest}. Write the whole path, e.g. "
-    "{hint!r}."
+    "(re.fullmatch); the closest paths: {closest}.{hint}"
 )
 _SHADOWED = (
     "{caller}: the rule {pattern!r} decided no weight: every path it matches is "
@@ -188,12 +187,17 @@ _SHADOWED = (
 
 
 def _hint(text: str, paths: list[str]) -> str:
-    """A whole-path pattern for a rule written as a part of paths."""
+    """A whole-path pattern for a rule written as a plain part of paths (``""`` for
+    a pattern with regular-expression syntax)."""
+    if any(c in text for c in ".*+?[](){}|^$\\"):
+        return ""
     if any(p.startswith(f"{text}/") for p in paths):
-        return f"{text}/.*"
-    if any(f"/{text}/" in p for p in paths):
-        return f".*/{text}/.*"
-    return f".*{text}.*"
+        whole = f"{text}/.*"
+    elif any(f"/{text}/" in p for p in paths):
+        whole = f".*/{text}/.*"
+    else:
+        whole = f".*{text}.*"
+    return f" Write the whole path, e.g. {whole!r}."
 
 
 def unmatched_rules(rules: Any, paths: Iterable[str], caller: str) -> tuple[str, ...]:
