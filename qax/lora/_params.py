@@ -280,7 +280,12 @@ def plan(
 
     Args:
       params: the parameters, as for `loraify`.
-      rank, filter, split_at, a_axes, batch_ndim, rules: as for `loraify`.
+      rank: as for `loraify`.
+      filter: as for `loraify`.
+      split_at: as for `loraify`.
+      a_axes: as for `loraify`.
+      batch_ndim: as for `loraify`.
+      rules: as for `loraify`.
 
     Returns:
       A `Plan`.

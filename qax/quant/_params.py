@@ -326,7 +326,11 @@ def plan(
           gate/w  (2, 64, 64)  float32  NF4Weight, block_size=32 (default filter)
 
     Args:
-      params, fmt, filter, rules, options: as for `quantize`.
+      params: as for `quantize`.
+      fmt: as for `quantize`.
+      filter: as for `quantize`.
+      rules: as for `quantize`.
+      **options: as for `quantize`.
 
     Returns:
       A `qax.lora.Plan`.
