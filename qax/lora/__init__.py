@@ -67,6 +67,15 @@ from __future__ import annotations
 import qax
 
 from . import _stacks  # noqa: F401 (registers more handlers)
+from ._bank import (
+    BankPadding,
+    BankPaddingRow,
+    LoraBank,
+    bank,
+    bank_padding,
+    per_example,
+    unbank,
+)
 from ._params import (
     combine,
     default_filter,
@@ -83,10 +92,15 @@ from ._weight import LoraAdapter, LoraWeight
 path_string = qax.utils.path_string
 
 __all__ = [
+    "BankPadding",
+    "BankPaddingRow",
     "LoraAdapter",
+    "LoraBank",
     "LoraWeight",
     "Plan",
     "PlanRow",
+    "bank",
+    "bank_padding",
     "biases",
     "check_rules",
     "combine",
@@ -94,8 +108,10 @@ __all__ = [
     "loraify",
     "merge",
     "path_string",
+    "per_example",
     "plan",
     "split",
     "trainable_count",
+    "unbank",
     "unmatched_rules",
 ]

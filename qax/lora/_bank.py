@@ -1,0 +1,716 @@
+"""Many adapters over one base: `LoraBank`, `bank`, `unbank`, `per_example`.
+
+A bank holds ``N`` LoRA adapters of one weight over a single shared base weight: the
+factors of every adapter stacked along a leading *adapter axis* (zero-padded to a common
+rank), one ``alpha`` and one rank per adapter. It stands for the stack of the ``N``
+merged weights (``bank.materialize()[i]`` is adapter ``i`` merged into the base), but the
+base is stored once, and may be dense or any `qax.quant` format.
+
+`per_example` runs unchanged model code on a batch whose examples each use their own
+adapter: every example sees the model's parameters with its adapter's `LoraWeight`
+(`jax.vmap` over the examples; the base is not mapped, so ``x @ w`` stays one product for
+the whole batch and only the thin factors are gathered per example, the BGMV pattern of
+multi-LoRA servers).
+
+This module uses qax's public API only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import qax
+
+from ._weight import LoraAdapter, LoraWeight, _batch_ndim
+
+_NO_ADAPTERS = (
+    "qax.lora.bank: no adapters given. Pass a list of adapter trees, one per fine-tune, "
+    "as `qax.lora.split` returns them: `adapters, base = qax.lora.split(params)`."
+)
+
+_NOT_SPLIT = (
+    "qax.lora.bank: adapter {i} holds a LoraWeight at {path}: pass the adapters of "
+    "`qax.lora.split` (`adapters, base = qax.lora.split(params)`), not the combined "
+    "parameters."
+)
+
+_MISMATCH = (
+    "qax.lora.bank: adapter {i} does not fit the base at {path}: {why}. Every adapter "
+    "must be trained on the same base (the `base` of `qax.lora.split`), with the same "
+    "layout (`a_axes`, `split_at`, `batch_ndim`) at each weight; only ranks and alphas "
+    "may differ."
+)
+
+_STRUCTURE = (
+    "qax.lora.bank: adapter {i} does not have the structure of `base` ({error}). Pass "
+    "the adapters and the base that `qax.lora.split` returns."
+)
+
+_BAD_IDS = (
+    "qax.lora.per_example: `adapter_ids` must be a 1-D integer array, one adapter per "
+    "example (-1 for the base model alone); got {got}."
+)
+
+_IDS_RANGE = (
+    "qax.lora.per_example: adapter id {id} is not in the bank (its {n} adapters have "
+    "ids 0..{top}; -1 is the base model alone)."
+)
+
+_BATCH = (
+    "qax.lora.per_example: argument {arg} has {size} example(s) along axis {axis}, but "
+    "there are {n} adapter ids (one per example). Give each argument that is not a "
+    "parameter tree its examples along `in_axes` (default 0), or `in_axes=None` for an "
+    "argument every example shares."
+)
+
+_NO_BANK = (
+    "qax.lora.per_example: no argument holds a LoraBank. Build the parameters with "
+    "`qax.lora.bank(base, [adapters, ...])` and pass them to the function."
+)
+
+_OUT_AXIS = (
+    "qax.lora.per_example: output {path} of one example has shape {shape}, without the "
+    "batch axis of size 1 at out_axes={axis} that the example's input had. Return "
+    "batched outputs (or pass the output's batch axis as `out_axes`)."
+)
+
+
+def _is_bank(x: Any) -> bool:
+    return isinstance(x, LoraBank)
+
+
+class LoraBank(qax.ImplicitArray):
+    """``N`` LoRA adapters over one shared base weight.
+
+    Stands for the stack of the ``N`` merged weights, shape ``(N, *w.shape)``: entry
+    ``i`` is ``w + (alphas[i] / ranks[i]) * tensordot(a[i], b[i], 1)`` in the layout of a
+    `LoraWeight` (``a_axes``, layer stacks). The base ``w`` is stored once. Built by
+    `bank`; used through `per_example`, which hands every example its own adapter as a
+    `LoraWeight`.
+
+    Examples:
+        >>> w = jnp.ones((4, 3))
+        >>> lb = qax.lora.LoraBank(w, jnp.ones((2, 4, 1)), jnp.ones((2, 1, 3)),
+        ...                        alphas=(1.0, 2.0), ranks=(1, 1))
+        >>> lb.shape, float(lb.materialize()[1, 0, 0])
+        ((2, 4, 3), 3.0)
+
+    Attributes:
+      w: the shared base weight (dense or a `qax.quant` weight; frozen).
+      a: the first factors, ``(N, *stack, *A, rank)``; columns past an adapter's own rank
+        are zero.
+      b: the second factors, ``(N, *stack, rank, *B)``; rows past an adapter's own rank
+        are zero.
+      alphas: each adapter's ``alpha`` (``None``: ``alpha = rank``, a scale of 1).
+      ranks: each adapter's own rank (0: no adapter on this weight for that slot).
+      freeze_w: stop gradients into ``w`` (default ``True``).
+      a_axes: as for `LoraWeight`.
+
+    ``alphas`` and ``ranks`` are static (part of the tree structure): a jitted function
+    retraces when they change, not when factors of the same ranks and alphas are swapped
+    in.
+    """
+
+    w: qax.ArrayValue
+    a: qax.ArrayValue
+    b: qax.ArrayValue
+    alphas: tuple = qax.aux_field(default=())
+    ranks: tuple = qax.aux_field(default=())
+    freeze_w: bool = qax.aux_field(default=True)
+    a_axes: tuple[int, ...] | None = qax.aux_field(default=None)
+
+    def frozen_fields(self) -> tuple[str, ...]:
+        """``("w",)`` when ``freeze_w``: optimizers move only the factors."""
+        return ("w",) if self.freeze_w else ()
+
+    def __post_init__(self) -> None:
+        n = int(jnp.shape(self.a)[0]) if jnp.ndim(self.a) else 0
+        if (
+            jnp.ndim(self.a) < 2
+            or jnp.ndim(self.b) < 2
+            or jnp.shape(self.b)[0] != n
+            or len(self.alphas) != n
+            or len(self.ranks) != n
+        ):
+            raise ValueError(
+                "LoraBank: `a` and `b` stack N adapters along their first axis, with "
+                f"one alpha and one rank each; got a {jnp.shape(self.a)}, b "
+                f"{jnp.shape(self.b)}, {len(self.alphas)} alphas, {len(self.ranks)} "
+                "ranks."
+            )
+        self.alphas = tuple(None if x is None else float(x) for x in self.alphas)
+        self.ranks = tuple(int(r) for r in self.ranks)
+        # The layout check of one adapter (raises LoraWeight's messages).
+        jax.eval_shape(
+            lambda w, a, b: LoraWeight(w, a, b, a_axes=self.a_axes).shape,
+            _abstract(self.w),
+            jax.ShapeDtypeStruct(jnp.shape(self.a)[1:], self.a.dtype),
+            jax.ShapeDtypeStruct(jnp.shape(self.b)[1:], self.b.dtype),
+        )
+        super().__post_init__()
+
+    def compute_shape(self) -> tuple[int, ...]:
+        return (int(jnp.shape(self.a)[0]), *(int(d) for d in jnp.shape(self.w)))
+
+    def compute_dtype(self) -> Any:
+        return jnp.result_type(self.w.dtype, self.a.dtype, self.b.dtype)
+
+    @property
+    def size_n(self) -> int:
+        """The number of adapters, ``N``."""
+        return int(jnp.shape(self.a)[0])
+
+    @property
+    def rank(self) -> int:
+        """The common (padded) rank of the stored factors."""
+        return int(jnp.shape(self.a)[-1])
+
+    def scales(self) -> np.ndarray:
+        """Each adapter's ``alpha / rank`` (1 where ``alpha`` is None, 0 for an empty
+        slot), as float32."""
+        return np.asarray(
+            [_scale(al, r) for al, r in zip(self.alphas, self.ranks, strict=True)],
+            np.float32,
+        )
+
+    def adapter(self, i: int) -> LoraWeight:
+        """Adapter ``i`` as a `LoraWeight` over the base (its own rank, unpadded)."""
+        a, b = _trim(self, self.a[i], self.b[i], self.ranks[i])
+        return LoraWeight(
+            self.w,
+            a,
+            b,
+            alpha=self.alphas[i],
+            freeze_w=self.freeze_w,
+            a_axes=self.a_axes,
+        )
+
+    def materialize(self) -> jax.Array:
+        scales = jnp.asarray(self.scales())
+
+        def one(a, b, s):
+            return LoraWeight(
+                self.w,
+                a * s.astype(a.dtype),
+                b,
+                freeze_w=self.freeze_w,
+                a_axes=self.a_axes,
+            ).materialize()
+
+        return jax.vmap(one)(self.a, self.b, scales).astype(self.dtype)
+
+
+def _abstract(x: Any) -> Any:
+    return jax.tree_util.tree_map(
+        lambda v: jax.ShapeDtypeStruct(jnp.shape(v), v.dtype), x
+    )
+
+
+def _scale(alpha: float | None, rank: int) -> float:
+    if rank == 0:
+        return 0.0
+    return 1.0 if alpha is None else alpha / rank
+
+
+def _nb(w: Any, a: Any, b: Any) -> int:
+    """Layer-stack axes of one adapter's factors (``batch_ndim`` of `loraify`)."""
+    return _batch_ndim(jnp.ndim(w), jnp.ndim(a), jnp.ndim(b))
+
+
+def _trim(bank: LoraBank, a: Any, b: Any, rank: int) -> tuple[Any, Any]:
+    """One adapter's factors without the zero padding past its rank."""
+    nb = _nb(bank.w, a, b)
+    return a[..., :rank], jax.lax.slice_in_dim(b, 0, rank, axis=nb)
+
+
+def _pad(x: Any, axis: int, to: int) -> Any:
+    width = [(0, 0)] * jnp.ndim(x)
+    width[axis] = (0, to - jnp.shape(x)[axis])
+    return jnp.pad(x, width)
+
+
+# ----------------------------------------------------------------------------------------
+# Building and splitting banks
+
+
+def bank(base: Any, adapters: Sequence[Any] | Mapping[Any, Any]) -> Any:
+    """Put many adapters on one base: a `LoraBank` at every adapted weight.
+
+    The adapters are trees from `qax.lora.split` (one per fine-tune, each trained on
+    ``base``): a `LoraAdapter` or ``None`` at each weight. Adapter ``i`` (its position in
+    the list, or in the mapping's order) is id ``i`` for `per_example`. Adapters of
+    different ranks share one bank: the factors are zero-padded to the largest rank and
+    each keeps its own scale ``alpha / rank``, so no number changes (`bank_padding`
+    reports what the padding costs). A weight that some adapters leave alone gets an
+    empty slot for them (rank 0: the base weight alone).
+
+    Differentiable in the factors: building the bank inside a loss, from adapters that
+    an optimizer trains, trains them all in one step (see `per_example`).
+
+    Examples:
+        >>> adapters, base = qax.lora.split(params)
+        >>> served = qax.lora.bank(base, [adapters, other_adapters])
+        >>> logits = qax.lora.per_example(model.apply)(jnp.array([1, 0, -1]), served, x)
+
+    Args:
+      base: the base parameters (the second result of `qax.lora.split`); weights may be
+        quantized (`qax.quant`).
+      adapters: a non-empty list (or mapping) of adapter trees from `qax.lora.split`.
+
+    Returns:
+      ``base`` with a `LoraBank` in place of each weight that any adapter adapts.
+
+    Raises:
+      ValueError: no adapters; an adapter tree does not have the base's structure, or
+        holds combined `LoraWeight`s; an adapter's layout does not fit its weight.
+    """
+    if isinstance(adapters, Mapping):
+        adapters = list(adapters.values())
+    adapters = list(adapters)
+    if not adapters:
+        raise ValueError(_NO_ADAPTERS)
+
+    def is_leaf(x: Any) -> bool:
+        return x is None or isinstance(x, (LoraAdapter, qax.ImplicitArray))
+
+    def is_weight(x: Any) -> bool:
+        return isinstance(x, qax.ImplicitArray)
+
+    base_paths, treedef = jax.tree_util.tree_flatten_with_path(base, is_leaf=is_weight)
+    columns = []
+    for i, tree in enumerate(adapters):
+        try:
+            column = treedef.flatten_up_to(tree)
+        except (ValueError, TypeError) as e:
+            raise ValueError(_STRUCTURE.format(i=i, error=e)) from None
+        for j, ((path, _), x) in enumerate(zip(base_paths, column, strict=True)):
+            if isinstance(x, qax.ImplicitArray):
+                raise ValueError(
+                    _NOT_SPLIT.format(i=i, path=qax.utils.path_string(path))
+                )
+            if x is not None and not isinstance(x, LoraAdapter):
+                # A subtree where base has a leaf: not an adapter tree.
+                found = jax.tree_util.tree_leaves(x, is_leaf=is_leaf)
+                if any(f is not None for f in found):
+                    raise ValueError(
+                        _STRUCTURE.format(
+                            i=i,
+                            error=f"{type(x).__name__} at "
+                            f"{qax.utils.path_string(path)}, not a LoraAdapter or None",
+                        )
+                    )
+                column[j] = None
+        columns.append(column)
+
+    leaves = []
+    for j, (path, w) in enumerate(base_paths):
+        found = [column[j] for column in columns]
+        if all(x is None or not isinstance(x, LoraAdapter) for x in found):
+            leaves.append(w)
+            continue
+        leaves.append(_bank_one(qax.utils.path_string(path), w, found))
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _bank_one(path: str, w: Any, found: list) -> LoraBank:
+    given = [(i, x) for i, x in enumerate(found) if isinstance(x, LoraAdapter)]
+    i0, first = given[0]
+    for i, x in given:
+        why = None
+        if (x.a_axes, x.freeze_w) != (first.a_axes, first.freeze_w):
+            why = (
+                f"a_axes={x.a_axes}, freeze_w={x.freeze_w} where adapter {i0} has "
+                f"a_axes={first.a_axes}, freeze_w={first.freeze_w}"
+            )
+        else:
+            try:
+                LoraWeight(_abstract_array(w), x.a, x.b, a_axes=x.a_axes)
+            except ValueError as e:
+                why = str(e)
+        if why is None and (
+            jnp.shape(x.a)[:-1] != jnp.shape(first.a)[:-1]
+            or _drop_rank(x, w) != _drop_rank(first, w)
+        ):
+            why = f"factors a {jnp.shape(x.a)}, b {jnp.shape(x.b)}"
+        if why is not None:
+            raise ValueError(_MISMATCH.format(i=i, path=path, why=why))
+    nb = _nb(w, first.a, first.b)
+    ranks = [0 if x is None else int(jnp.shape(x.a)[-1]) for x in found]
+    top = max(ranks)
+    dtype_a = jnp.result_type(*(x.a.dtype for _, x in given))
+    dtype_b = jnp.result_type(*(x.b.dtype for _, x in given))
+    zero_a = jnp.zeros((*jnp.shape(first.a)[:-1], top), dtype_a)
+    zero_b = jnp.zeros(
+        (*jnp.shape(first.b)[:nb], top, *jnp.shape(first.b)[nb + 1 :]), dtype_b
+    )
+    a = jnp.stack(
+        [zero_a if x is None else _pad(x.a.astype(dtype_a), -1, top) for x in found]
+    )
+    b = jnp.stack(
+        [zero_b if x is None else _pad(x.b.astype(dtype_b), nb, top) for x in found]
+    )
+    alphas = [None if x is None else x.alpha for x in found]
+    return LoraBank(
+        w,
+        a,
+        b,
+        alphas=tuple(alphas),
+        ranks=tuple(ranks),
+        freeze_w=first.freeze_w,
+        a_axes=first.a_axes,
+    )
+
+
+def _abstract_array(w: Any) -> Any:
+    """A stand-in for `w` with its shape, for the layout check (no data is touched)."""
+    return jax.ShapeDtypeStruct(jnp.shape(w), jnp.dtype(w.dtype))
+
+
+def _drop_rank(x: LoraAdapter, w: Any) -> tuple:
+    nb = _nb(w, x.a, x.b)
+    shape = tuple(jnp.shape(x.b))
+    return shape[:nb] + shape[nb + 1 :]
+
+
+def unbank(params: Any) -> tuple[Any, list]:
+    """Inverse of `bank`: ``(base, [adapters, ...])``, one adapter tree per slot.
+
+    Each adapter tree is what `qax.lora.split` gave for that fine-tune (its own rank,
+    its ``alpha``; ``None`` at weights it left alone), so ``qax.lora.combine(adapters[i],
+    base)`` is that fine-tune's model.
+
+    Examples:
+        >>> base, adapters = qax.lora.unbank(served)
+        >>> tuned = qax.lora.combine(adapters[1], base)
+
+    Args:
+      params: parameters holding `LoraBank`s (all of the same size ``N``).
+
+    Returns:
+      ``(base, adapters)``: the base parameters and a list of ``N`` adapter trees.
+
+    Raises:
+      ValueError: no bank in ``params``, or banks of different sizes.
+    """
+    n = _bank_size(params, "qax.lora.unbank")
+
+    def base_of(x: Any) -> Any:
+        return x.w if _is_bank(x) else x
+
+    def adapter_of(i: int) -> Callable[[Any], Any]:
+        def one(x: Any) -> Any:
+            if not _is_bank(x) or x.ranks[i] == 0:
+                return None
+            a, b = _trim(x, x.a[i], x.b[i], x.ranks[i])
+            return LoraAdapter(
+                a, b, alpha=x.alphas[i], freeze_w=x.freeze_w, a_axes=x.a_axes
+            )
+
+        return one
+
+    def is_weight(x: Any) -> bool:
+        return isinstance(x, qax.ImplicitArray)
+
+    base = jax.tree_util.tree_map(base_of, params, is_leaf=is_weight)
+    adapters = [
+        jax.tree_util.tree_map(adapter_of(i), params, is_leaf=is_weight)
+        for i in range(n)
+    ]
+    return base, adapters
+
+
+def _banks(tree: Any) -> list[tuple[str, LoraBank]]:
+    found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_bank)[0]
+    return [(qax.utils.path_string(p), x) for p, x in found if _is_bank(x)]
+
+
+def _bank_size(params: Any, who: str) -> int:
+    banks = _banks(params)
+    if not banks:
+        raise ValueError(
+            f"{who}: no LoraBank in the parameters. Build them with "
+            "`qax.lora.bank(base, [adapters, ...])`."
+        )
+    sizes = {x.size_n for _, x in banks}
+    if len(sizes) != 1:
+        listed = ", ".join(f"{p}: {x.size_n}" for p, x in banks)
+        raise ValueError(
+            f"{who}: the banks hold different numbers of adapters ({listed})."
+        )
+    return sizes.pop()
+
+
+@dataclasses.dataclass(frozen=True)
+class BankPaddingRow:
+    """One bank's padding: its path, the adapters' ranks, and the factor numbers stored
+    and used."""
+
+    path: str
+    ranks: tuple[int, ...]
+    stored: int
+    used: int
+    itemsize: int
+
+    @property
+    def wasted_bytes(self) -> int:
+        return (self.stored - self.used) * self.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class BankPadding:
+    """What padding the adapters of a bank to a common rank costs (see `bank_padding`).
+
+    ``stored`` and ``used`` count factor numbers (``a`` and ``b``) over all banks;
+    ``wasted_bytes`` is the memory the zero padding takes, ``fraction`` its share of the
+    stored factors. ``str()`` gives a table, one row per bank.
+    """
+
+    rows: tuple[BankPaddingRow, ...]
+
+    @property
+    def stored(self) -> int:
+        return sum(r.stored for r in self.rows)
+
+    @property
+    def used(self) -> int:
+        return sum(r.used for r in self.rows)
+
+    @property
+    def wasted_bytes(self) -> int:
+        return sum(r.wasted_bytes for r in self.rows)
+
+    @property
+    def fraction(self) -> float:
+        return 0.0 if not self.stored else 1.0 - self.used / self.stored
+
+    def __str__(self) -> str:
+        lines = [f"{'weight':<40} {'ranks':<24} {'stored':>10} {'padding':>10}"]
+        for r in self.rows:
+            ranks = ",".join(map(str, r.ranks))
+            if len(ranks) > 24:
+                ranks = ranks[:21] + "..."
+            lines.append(
+                f"{r.path:<40} {ranks:<24} {r.stored:>10} {r.stored - r.used:>10}"
+            )
+        lines.append(
+            f"padding: {self.stored - self.used} of {self.stored} factor numbers "
+            f"({100 * self.fraction:.1f}%), {self.wasted_bytes} bytes"
+        )
+        return "\n".join(lines)
+
+
+def bank_padding(params: Any) -> BankPadding:
+    """The cost of storing adapters of different ranks at one common rank.
+
+    Examples:
+        >>> report = qax.lora.bank_padding(served)
+        >>> report.fraction, report.wasted_bytes
+        (0.25, 4096)
+
+    Args:
+      params: parameters holding `LoraBank`s.
+
+    Returns:
+      A `BankPadding` (per-bank rows and totals; ``print`` it for a table).
+    """
+    rows = []
+    for path, x in _banks(params):
+        per_rank = (math.prod(jnp.shape(x.a)) + math.prod(jnp.shape(x.b))) // (
+            x.size_n * max(x.rank, 1)
+        )
+        stored = per_rank * x.size_n * x.rank
+        used = per_rank * sum(x.ranks)
+        rows.append(
+            BankPaddingRow(path, x.ranks, stored, used, jnp.dtype(x.a.dtype).itemsize)
+        )
+    return BankPadding(tuple(rows))
+
+
+# ----------------------------------------------------------------------------------------
+# Per-example selection
+
+
+def _check_ids(adapter_ids: Any, n: int) -> jax.Array:
+    ids = adapter_ids
+    if not isinstance(ids, jax.Array | np.ndarray):
+        try:
+            ids = np.asarray(ids)
+        except Exception:  # noqa: BLE001 (reported below)
+            raise ValueError(_BAD_IDS.format(got=type(adapter_ids).__name__)) from None
+    if jnp.ndim(ids) != 1 or not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(_BAD_IDS.format(got=f"{ids.dtype}{list(jnp.shape(ids))}"))
+    if not isinstance(ids, jax.core.Tracer):
+        values = np.asarray(ids)
+        bad = values[(values < -1) | (values >= n)]
+        if bad.size:
+            raise ValueError(_IDS_RANGE.format(id=int(bad[0]), n=n, top=n - 1))
+    return jnp.asarray(ids, jnp.int32)
+
+
+def _select(x: LoraBank, ids: jax.Array) -> tuple[Any, Any, Any]:
+    """Each example's factors and scale (0 for id -1; NaN for an id outside the bank,
+    which only a traced id can be: its example's outputs are NaN, never another
+    adapter's numbers)."""
+    n = x.size_n
+    safe = jnp.clip(ids, 0, n - 1)
+    scale = jnp.asarray(x.scales())[safe]
+    scale = jnp.where(ids < 0, 0.0, scale)
+    scale = jnp.where(ids >= n, jnp.nan, scale)
+    return jnp.take(x.a, safe, axis=0), jnp.take(x.b, safe, axis=0), scale
+
+
+def _view(x: LoraBank, a: Any, b: Any, s: Any) -> LoraWeight:
+    """One example's adapter: its factors with the scale folded into the smaller one."""
+    if math.prod(jnp.shape(a)) <= math.prod(jnp.shape(b)):
+        a = a * s.astype(a.dtype)
+    else:
+        b = b * s.astype(b.dtype)
+    return LoraWeight(x.w, a, b, freeze_w=x.freeze_w, a_axes=x.a_axes)
+
+
+def per_example(
+    f: Callable[..., Any], *, in_axes: Any = 0, out_axes: int = 0
+) -> Callable[..., Any]:
+    """Run ``f`` on a batch whose examples each use their own adapter from a bank.
+
+    ``per_example(f)(adapter_ids, *args)`` returns, for each example ``i``, what ``f``
+    returns when that example runs alone with adapter ``adapter_ids[i]`` (``-1``: the
+    base model alone): arguments that hold `LoraBank`s are the parameters, and every
+    example sees them with each bank replaced by its adapter's `LoraWeight`; every other
+    argument is split into examples along ``in_axes`` (each example keeps a batch axis
+    of size 1 there, so ``f`` is the unchanged batched model code), and the outputs are
+    stacked back along ``out_axes``. ``f`` is called on implicit arrays
+    (`qax.use_implicit_args` is applied for you).
+
+    Under the hood this is `jax.vmap` over the examples: the shared base weight is not
+    mapped (``x @ w`` is one product for the whole batch, over a quantized base too),
+    and each example's factors are gathered from the bank. It composes with `jax.jit`,
+    `jax.grad` (gradients reach each adapter from its own examples only), `lax.scan`
+    over stacked layers and `jax.checkpoint`.
+
+    Examples:
+        >>> served = qax.lora.bank(base, [adapters_a, adapters_b])
+        >>> ids = jnp.array([0, 1, 1, -1])                 # one adapter per example
+        >>> logits = jax.jit(qax.lora.per_example(model.apply))(ids, served, tokens)
+        >>> # a decode step: the cache is batched, the position shared
+        >>> step = qax.lora.per_example(decode, in_axes=(None, 0, 0, None))
+        >>> logits, cache = step(ids, served, token, cache, position)
+
+    Args:
+      f: the model function, written for dense arrays (a Flax ``apply``, an NNX call
+        ``lambda model, x: model(x)``, any function).
+      in_axes: for the arguments after ``adapter_ids``: the batch axis of each (an int
+        for all, or a tuple with an int or ``None`` per argument; ``None``: shared by
+        every example, not split). Arguments holding banks are always parameters:
+        their other leaves are shared.
+      out_axes: the batch axis of every output.
+
+    Returns:
+      ``g(adapter_ids, *args)``. ``adapter_ids``: a 1-D integer array, one id per
+      example. An id outside ``-1..N-1`` raises `ValueError` when the ids are concrete;
+      traced ones (under `jax.jit`) give NaN outputs for that example.
+    """
+    call = qax.use_implicit_args(f)
+
+    @functools.wraps(f)
+    def run(adapter_ids: Any, *args: Any) -> Any:
+        axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
+        if len(axes) != len(args):
+            raise ValueError(
+                f"qax.lora.per_example: in_axes has {len(axes)} entries for "
+                f"{len(args)} arguments after adapter_ids."
+            )
+        holds = [bool(_banks(arg)) for arg in args]
+        if not any(holds):
+            raise ValueError(_NO_BANK)
+        n = _bank_size(
+            [a for a, h in zip(args, holds, strict=True) if h], "per_example"
+        )
+        ids = _check_ids(adapter_ids, n)
+        count = int(jnp.shape(ids)[0])
+
+        # Parameters: banks become (shared base, per-example factors and scale).
+        shapes, picked = [], []
+        for arg, h in zip(args, holds, strict=True):
+            if not h:
+                shapes.append(None)
+                continue
+            leaves, treedef = jax.tree_util.tree_flatten(arg, is_leaf=_is_bank)
+            shapes.append((treedef, leaves))
+            picked.append([_select(x, ids) for x in leaves if _is_bank(x)])
+        for k, (arg, h, axis) in enumerate(zip(args, holds, axes, strict=True)):
+            if h or axis is None:
+                continue
+            for leaf in jax.tree_util.tree_leaves(arg):
+                if jnp.ndim(leaf) <= axis or jnp.shape(leaf)[axis] != count:
+                    raise ValueError(
+                        _BATCH.format(
+                            arg=k,
+                            size=jnp.shape(leaf)[axis] if jnp.ndim(leaf) > axis else 0,
+                            axis=axis,
+                            n=count,
+                        )
+                    )
+
+        data = [
+            arg if not h and axis is not None else None
+            for arg, h, axis in zip(args, holds, axes, strict=True)
+        ]
+        data_axes = [
+            axis if not h and axis is not None else None
+            for h, axis in zip(holds, axes, strict=True)
+        ]
+
+        def one(picked_i: list, data_i: list) -> Any:
+            rebuilt, p = [], 0
+            for k, (arg, shape) in enumerate(zip(args, shapes, strict=True)):
+                if shape is not None:
+                    treedef, leaves = shape
+                    views, q = [], 0
+                    for leaf in leaves:
+                        if _is_bank(leaf):
+                            views.append(_view(leaf, *picked_i[p][q]))
+                            q += 1
+                        else:
+                            views.append(leaf)
+                    rebuilt.append(jax.tree_util.tree_unflatten(treedef, views))
+                    p += 1
+                elif data_axes[k] is None:
+                    rebuilt.append(arg)
+                else:
+                    ax = data_axes[k]
+                    rebuilt.append(
+                        jax.tree_util.tree_map(
+                            lambda v, ax=ax: jnp.expand_dims(v, ax), data_i[k]
+                        )
+                    )
+            out = call(*rebuilt)
+            return _squeeze_outputs(out, out_axes)
+
+        return jax.vmap(one, in_axes=(0, data_axes), out_axes=out_axes)(picked, data)
+
+    return run
+
+
+def _squeeze_outputs(out: Any, axis: int) -> Any:
+    def squeeze(path: Any, v: Any) -> Any:
+        shape = jnp.shape(v)
+        if len(shape) <= axis or shape[axis] != 1:
+            raise ValueError(
+                _OUT_AXIS.format(
+                    path=jax.tree_util.keystr(path) or "(the output)",
+                    shape=tuple(shape),
+                    axis=axis,
+                )
+            )
+        return jnp.squeeze(v, axis)
+
+    return jax.tree_util.tree_map_with_path(squeeze, out)
