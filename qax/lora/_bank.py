@@ -29,7 +29,7 @@ import numpy as np
 
 import qax
 
-from ._weight import LoraAdapter, LoraWeight, _batch_ndim
+from ._weight import LoraAdapter, LoraWeight, _batch_ndim, _layout
 
 _NO_ADAPTERS = (
     "qax.lora.bank: no adapters given. Pass a list of adapter trees, one per fine-tune, "
@@ -192,6 +192,21 @@ class LoraBank(qax.ImplicitArray):
             freeze_w=self.freeze_w,
             a_axes=self.a_axes,
         )
+
+    def field_dims(self) -> dict[str, tuple[int | None, ...]]:
+        """Which dimension of the bank (``(N, *w.shape)``) each field dimension runs
+        along (for `qax.sharding`): the adapter axis is dimension 0 of ``a`` and
+        ``b``; ``w`` runs along the others; the factors' layer-stack axes and weight
+        axes as in a `LoraWeight`, their rank axis along none."""
+        nb = _nb(self.w, self.a[0], self.b[0])
+        n_w = jnp.ndim(self.w) - nb
+        a_axes, b_axes = _layout(n_w, jnp.ndim(self.a) - 2 - nb, self.a_axes)
+        stack = tuple(range(1, 1 + nb))
+        return {
+            "w": tuple(range(1, 1 + jnp.ndim(self.w))),
+            "a": (0, *stack, *(1 + nb + i for i in a_axes), None),
+            "b": (0, *stack, None, *(1 + nb + i for i in b_axes)),
+        }
 
     def materialize(self) -> jax.Array:
         scales = jnp.asarray(self.scales())
