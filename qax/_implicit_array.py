@@ -30,7 +30,7 @@ from ._compat import (
     varying_aval,
     varying_axes,
 )
-from ._entry import enter_current_trace, use_implicit_args
+from ._entry import enter_current_trace, implicit_args_active, use_implicit_args
 from ._errors import UninitializedAval
 from ._fields import (
     NO_ARRAYS,
@@ -129,8 +129,8 @@ def _enter_built(value: ImplicitBase) -> Any:
     original Qax's types were) stays the plain pytree it was there: `jax.vmap` then
     maps its leaves, as it does without `use_implicit_args`.
     """
-    if is_eval_trace(current_trace()):
-        return value
+    if is_eval_trace(current_trace()) or not implicit_args_active():
+        return value  # outside `use_implicit_args`: nothing to enter or to trace
     if not fields_of(type(value)).declared and not _fits_its_shape(value):
         return value
     wrapped = enter_current_trace((value,))
@@ -561,17 +561,28 @@ def _leaf_key(leaf: Any) -> tuple:
 def _eval_shape_of_materialize(obj: ImplicitArray) -> Any:
     """`jax.eval_shape` of `obj.materialize()`, quietly; `obj` may be half-built.
 
-    Child fields given as `jax.ShapeDtypeStruct`s (for `jax.eval_shape` or AOT
-    lowering) have no values: they become abstract arguments of `eval_shape`.
+    Every array leaf of the child fields (values, tracers of any trace, or
+    `jax.ShapeDtypeStruct`s given for `jax.eval_shape` or AOT lowering) becomes an
+    abstract argument of `eval_shape`: the traced function closes over no value of
+    `obj`, so no tracer of an enclosing transformation is captured by that trace.
     """
-    structs = _shape_dtype_struct_fields(obj)
+    parts, flat = [], []
+    for name in fields_of(type(obj)).children:
+        leaves, tree = jax.tree_util.tree_flatten(getattr(obj, name, None))
+        parts.append((name, tree, len(leaves)))
+        flat += leaves
+    abstract = [hasattr(x, "shape") and hasattr(x, "dtype") for x in flat]
+    structs = [_struct(x) for x, a in zip(flat, abstract) if a]
 
     def run(*values: Any) -> Any:
-        target = obj
-        if structs:
-            target = copy.copy(obj)
-            for name, value in zip(structs, values):
-                object.__setattr__(target, name, value)
+        given = iter(values)
+        leaves = [next(given) if a else x for x, a in zip(flat, abstract)]
+        target, at = copy.copy(obj), 0
+        for name, tree, k in parts:
+            object.__setattr__(
+                target, name, jax.tree_util.tree_unflatten(tree, leaves[at : at + k])
+            )
+            at += k
         children = implicit_children(target)
         if not children:
             return type(target).materialize(target)
@@ -586,14 +597,12 @@ def _eval_shape_of_materialize(obj: ImplicitArray) -> Any:
         return use_implicit_args(inner)(*[c for _, c in children])
 
     with quietly():
-        return jax.eval_shape(run, *(getattr(obj, n) for n in structs))
+        return jax.eval_shape(run, *structs)
 
 
-def _shape_dtype_struct_fields(obj: ImplicitArray) -> list[str]:
-    """The child fields of `obj` that are pytrees of `jax.ShapeDtypeStruct`s."""
-    found = []
-    for name in fields_of(type(obj)).children:
-        leaves = jax.tree_util.tree_leaves(getattr(obj, name, None))
-        if leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
-            found.append(name)
-    return found
+def _struct(x: Any) -> jax.ShapeDtypeStruct:
+    """The abstract value of one leaf (its shape, dtype and weak type)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
+    weak = bool(getattr(getattr(x, "aval", None), "weak_type", False))
+    return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype, weak_type=weak)
