@@ -12,6 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax import lax
 
@@ -361,3 +362,116 @@ def test_banks_of_stacked_layers_under_scan_remat_and_grad(fmt):
         got = jax.jit(jax.grad(loss))(adapters)
         want = jax.grad(loop_loss)(adapters)
     assert_close(got, want, tol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------
+# Serving: a prefill batch, then one-token decode steps from a KV cache
+
+
+def _lm_init(seed: int = 5) -> dict:
+    k = jax.random.split(jax.random.key(seed), 6)
+    s = 1 / math.sqrt(D)
+    return {
+        "embed": s * jax.random.normal(k[0], (V, D)),
+        **{n: s * jax.random.normal(k[i + 1], (D, D)) for i, n in enumerate("qkvo")},
+        "head": s * jax.random.normal(k[5], (D, V)),
+    }
+
+
+def lm_step(p: dict, tokens: jax.Array, cache: dict, pos: jax.Array):
+    """Causal attention over a KV cache: ``tokens`` (B, t) at positions ``pos..``."""
+    x = p["embed"][tokens]
+    q, k, v = (x @ p[n] for n in "qkv")
+    keys = lax.dynamic_update_slice(cache["k"], k, (0, pos, 0))
+    values = lax.dynamic_update_slice(cache["v"], v, (0, pos, 0))
+    scores = jnp.einsum("btd,bsd->bts", q, keys) / math.sqrt(D)
+    here = pos + jnp.arange(tokens.shape[1])[:, None]
+    scores = jnp.where(jnp.arange(keys.shape[1])[None] <= here, scores, -1e30)
+    h = x + jnp.einsum("bts,bsd->btd", jax.nn.softmax(scores), values) @ p["o"]
+    return h @ p["head"], {"k": keys, "v": values}
+
+
+def test_prefill_then_decode_from_a_kv_cache_per_example():
+    adapters, base = _adapters(_quantized(_lm_init(), None))
+    served = qax.lora.bank(base, adapters)
+    n, prompt, steps = len(IDS), 32, 3
+    cache = {
+        "k": jnp.zeros((n, prompt + steps, D)),
+        "v": jnp.zeros((n, prompt + steps, D)),
+    }
+    tokens = _tokens(n, prompt)
+    step = jax.jit(qax.lora.per_example(lm_step, in_axes=(None, 0, 0, None)))
+    dense_step = jax.jit(lm_step)
+
+    def alone(i, tokens_i, cache_i, pos):
+        j = IDS[i]
+        p = base if j < 0 else qax.lora.combine(adapters[j], base)
+        return dense_step(dense(p), tokens_i, cache_i, pos)
+
+    caches = [
+        jax.tree_util.tree_map(lambda c, i=i: c[i : i + 1], cache) for i in range(n)
+    ]
+    pos, inputs = 0, tokens
+    with no_materialization():
+        for _ in range(1 + steps):
+            logits, cache = step(IDS, served, inputs, cache, jnp.int32(pos))
+            for i in range(n):
+                want, caches[i] = alone(i, inputs[i : i + 1], caches[i], jnp.int32(pos))
+                assert_close(logits[i : i + 1], want)
+            pos += inputs.shape[1]
+            inputs = jnp.argmax(logits[:, -1:], axis=-1)
+    assert_close(cache, jax.tree_util.tree_map(lambda *c: jnp.concatenate(c), *caches))
+
+
+# ----------------------------------------------------------------------------------------
+# Training many adapters in one step
+
+
+def _per_example_loss(out, target):
+    return jnp.sum((out - target) ** 2)
+
+
+def test_one_step_trains_every_adapter_as_its_own_step_would():
+    adapters, base = _adapters(_quantized(_init(), "nf4"))
+    tokens = _tokens()
+    target = jax.random.normal(jax.random.key(4), (len(IDS), T, D))
+    opt = optax.adam(1e-2)
+
+    @jax.jit
+    def bank_step(adapters, opt_state):
+        def loss(adapters):
+            served = qax.lora.bank(base, adapters)
+            return _per_example_loss(
+                qax.lora.per_example(model)(IDS, served, tokens), target
+            )
+
+        grads = jax.grad(loss)(adapters)
+        updates, opt_state = opt.update(grads, opt_state, adapters)
+        return optax.apply_updates(adapters, updates), opt_state
+
+    @jax.jit
+    def one_step(adapter, opt_state, rows):
+        def loss(adapter):
+            out = qax.use_implicit_args(model)(
+                qax.lora.combine(adapter, base), tokens[rows]
+            )
+            return _per_example_loss(out, target[rows])
+
+        updates, opt_state = opt.update(jax.grad(loss)(adapter), opt_state, adapter)
+        return optax.apply_updates(adapter, updates), opt_state
+
+    state = opt.init(adapters)  # one optimizer state for the whole bank
+    trained = adapters
+    with no_materialization():
+        for _ in range(2):
+            trained, state = bank_step(trained, state)
+    for j, adapter in enumerate(adapters):
+        rows = np.flatnonzero(IDS == j)
+        single, single_state = adapter, opt.init(adapter)
+        for _ in range(2):
+            single, single_state = one_step(single, single_state, rows)
+        assert_close(trained[j], single, tol=2e-5)
+        moved = jax.tree_util.tree_map(
+            lambda u, v: float(jnp.abs(u - v).max()), single, adapter
+        )
+        assert max(jax.tree_util.tree_leaves(moved)) > 1e-3

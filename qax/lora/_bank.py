@@ -148,9 +148,12 @@ class LoraBank(qax.ImplicitArray):
             )
         self.alphas = tuple(None if x is None else float(x) for x in self.alphas)
         self.ranks = tuple(int(r) for r in self.ranks)
-        # The layout check of one adapter (raises LoraWeight's messages).
+        # The layout check of one adapter (raises LoraWeight's messages), on shapes
+        # only (the function closes over nothing of this value's, which may hold
+        # tracers).
+        a_axes = self.a_axes
         jax.eval_shape(
-            lambda w, a, b: LoraWeight(w, a, b, a_axes=self.a_axes).shape,
+            lambda w, a, b: LoraWeight(w, a, b, a_axes=a_axes).shape,
             _abstract(self.w),
             jax.ShapeDtypeStruct(jnp.shape(self.a)[1:], self.a.dtype),
             jax.ShapeDtypeStruct(jnp.shape(self.b)[1:], self.b.dtype),
