@@ -214,8 +214,47 @@ def _optax_names(names: dict, tmp_path) -> dict:
     return names | dict(params=params, grads=grads)
 
 
+def _bank_names(names: dict, tmp_path) -> dict:
+    """Two fine-tunes of `params` (ranks 4 and 2), a model with an ``apply``, and a
+    decode step with a cache."""
+    import types
+
+    params = names["params"]
+    found = []
+    for r, seed in ((4, 1), (2, 2)):
+        lora = qax.lora.loraify(params, r, key=jax.random.key(seed), alpha=8.0)
+        found.append(qax.lora.split(lora))
+    (adapters_a, base), (adapters_b, _) = found
+
+    def apply(params, x):
+        h = x @ params["layers"][0]["attn"]["kernel"]
+        return h @ params["out"]["head"]["kernel"]
+
+    def decode(params, token, cache, position):
+        out = apply(params, token)
+        return out, cache.at[:, position].set(out[:, 0])
+
+    served = qax.lora.bank(base, [adapters_a, adapters_b])
+    return names | dict(
+        model=types.SimpleNamespace(apply=apply),
+        base=base,
+        adapters=adapters_a,
+        adapters_a=adapters_a,
+        adapters_b=adapters_b,
+        other_adapters=adapters_b,
+        served=served,
+        x=jnp.ones((3, 64)),
+        tokens=jnp.ones((4, 64)),
+        decode=decode,
+        token=jnp.ones((4, 1, 64)),
+        cache=jnp.zeros((4, 8, 64)),
+        position=3,
+    )
+
+
 # Names that one module's examples use differently.
 MODULE_NAMES = {
+    "qax.lora._bank": _bank_names,
     "qax._optax": _optax_names,
     "qax.checkpoint": _checkpoint_names,
     "qax.nnx": _flax_names,

@@ -531,7 +531,7 @@ def bank_padding(params: Any) -> BankPadding:
     Examples:
         >>> report = qax.lora.bank_padding(served)
         >>> report.fraction, report.wasted_bytes
-        (0.25, 4096)
+        (0.25, 3072)
 
     Args:
       params: parameters holding `LoraBank`s.
