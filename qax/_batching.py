@@ -193,9 +193,12 @@ def leaf_ranks(children: list) -> LeafRanks:
         if shape is not None:
             ranks.append(len(shape))
             continue
+        # A leaf without a shape has rank 0: a Python scalar, or what a tree shaped
+        # like the value holds in place of an array (a `PartitionSpec` of
+        # `qax.sharding.implicit_specs`, a sharding), which `np.ndim` may not read.
         for leaf in jax.tree_util.tree_leaves(child, is_leaf=is_implicit):
             shape = getattr(leaf, "shape", None)
-            ranks.append(len(shape) if shape is not None else int(np.ndim(leaf)))
+            ranks.append(len(shape) if shape is not None else 0)
     return LeafRanks(ranks)
 
 
@@ -213,6 +216,7 @@ def undeclared_layout(obj: ImplicitBase, children: list, ranks: tuple) -> None:
     shape, nb = d["shape"], d[NB]
     found = None
     example = False
+    shaped = False  # an array leaf (not a nested implicit array) was seen
     i = 0
     for child in children:
         shape_of = getattr(child, "shape", None)
@@ -225,6 +229,7 @@ def undeclared_layout(obj: ImplicitBase, children: list, ranks: tuple) -> None:
             leaf_shape = getattr(leaf, "shape", None)
             rank = ranks[i] if i < len(ranks) else None
             i += 1
+            shaped = shaped or (leaf_shape is not None and not is_implicit(leaf))
             if leaf_shape is None or rank is None:
                 continue
             n = len(leaf_shape) - rank
@@ -234,6 +239,10 @@ def undeclared_layout(obj: ImplicitBase, children: list, ranks: tuple) -> None:
             found = tuple(leaf_shape[:n])
         if example:
             break
+    if not shaped and i != len(ranks):
+        # Placeholders (JAX's `None` layouts, trees of specs or shardings): no array
+        # to derive a layout from, and fewer leaves than recorded (`None` has none).
+        return
     if example or i != len(ranks):
         d[NB] = 0
         d.pop(STACKED, None)

@@ -3,15 +3,17 @@
 The model is the GPT-style one of `benchmarks/bench_lora.py` (small sizes here), with
 the built-in types: every matmul weight a `qax.lora.LoraWeight`, over a `qax.quant`
 weight for QLoRA (``int8``, ``int4``, ``nf4``), trained with `qax.lora.split` /
-`combine`. The sharded setup (the dense specs, the activation layouts, the mesh, the
-collectives count, the hand-written variant with the same leaves) is that of
-`benchmarks/bench_sharded.py`. The oracle is the same step on one device, and a
+`combine`; and a bank of four adapters over one base (`qax.lora.bank`), served and
+trained one adapter per example (`qax.lora.per_example`). The sharded setup (the dense
+specs, the activation layouts, the mesh, the collectives count, the hand-written
+variant with the same leaves) is that of `benchmarks/bench_sharded.py`. The oracle is the same step on one device, and a
 hand-written step with the same leaves and shardings.
 
 Run directly with `XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest
 tests/_sharded_training_cases.py`; without 8 devices every case is skipped.
 """
 
+import dataclasses
 import functools
 import gc
 import pathlib
@@ -531,3 +533,177 @@ def test_orbax_restores_sharded_implicit_params_onto_the_mesh(tmp_path):
     assert w1.w.q.sharding.spec == P(bs.AXES, None)  # codes: rows split 8 ways
     assert w1.w.q.addressable_shards[0].data.shape == (4, 64)
     assert (w1.a.sharding.spec, w1.b.sharding.spec) == (P(bs.AXES, None), P(None, None))
+
+
+# ----------------------------------------------------------------------------------------
+# Adapter banks: one adapter per example over one sharded base (`qax.lora.bank`)
+
+BANK_RANKS = (3, 2, 3, 1)  # padded to 3: no factor has the shape of a base leaf
+BANK_IDS = np.array([0, 3, -1, 1, 2, 2, 0, 3], np.int32)  # one per example, -1: base
+# FSDP splits every weight over both mesh axes: the adapter axis stays whole there;
+# Megatron splits the weights over "model": the adapters are split over "data".
+BANK_CASES = [("lora", "fsdp", None), ("int8", "megatron", "data")]
+
+
+def _is_bank(x) -> bool:
+    return isinstance(x, qax.lora.LoraBank)
+
+
+@functools.cache
+def bank_params(kind: str):
+    """A bank of four adapters of ranks `BANK_RANKS` at every matmul weight, over the
+    base of `params(kind)`."""
+    lora, base = qax.lora.split(params(kind)[1])  # lora: a LoraAdapter where LoRA'd
+    rng = np.random.default_rng(3)
+
+    def adapter(rank, alpha):
+        def one(ad, w):
+            if ad is None:
+                return None
+            a = 0.05 * rng.standard_normal((w.shape[0], rank))
+            b = 0.05 * rng.standard_normal((rank, w.shape[1]))
+            return qax.lora.LoraAdapter(
+                jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32), alpha=alpha
+            )
+
+        return jax.tree_util.tree_map(
+            one,
+            lora,
+            base,
+            is_leaf=lambda x: x is None or isinstance(x, qax.lora.LoraAdapter),
+        )
+
+    adapters = [adapter(r, 2.0 * (i + 1)) for i, r in enumerate(BANK_RANKS)]
+    return qax.lora.bank(base, adapters)
+
+
+def bank_factors(tree):
+    """The trainable part of a tree holding banks (parameters, or their shardings):
+    ``{"a", "b"}`` at each bank, None elsewhere."""
+    return jax.tree_util.tree_map(
+        lambda x: {"a": x.a, "b": x.b} if _is_bank(x) else None, tree, is_leaf=_is_bank
+    )
+
+
+def with_factors(factors, served):
+    return jax.tree_util.tree_map(
+        lambda f, x: x if f is None else dataclasses.replace(x, a=f["a"], b=f["b"]),
+        factors,
+        served,
+        is_leaf=lambda f: f is None or (isinstance(f, dict) and set(f) == {"a", "b"}),
+    )
+
+
+# Serving: each example's loss with its own adapter (the model's loss of one example).
+SERVE = qax.lora.per_example(lambda p, t: DENSE_LOSS(p, t)[None])
+
+
+def bank_step(served, opt_state, ids, tokens):
+    """One adam step of every adapter's factors, each from its own examples; also the
+    per-example losses."""
+    factors = bank_factors(served)
+
+    def loss(factors):
+        losses = SERVE(ids, with_factors(factors, served), tokens)
+        return jnp.mean(losses), losses
+
+    (_, losses), grads = jax.value_and_grad(loss, has_aux=True)(factors)
+    updates, opt_state = bs.OPTIMIZER.update(grads, opt_state, factors)
+    new = with_factors(optax.apply_updates(factors, updates), served)
+    return new, opt_state, losses
+
+
+@functools.cache
+def bank_single_device(kind: str):
+    served = bank_params(kind)
+    opt_state = bs.OPTIMIZER.init(bank_factors(served))
+    return jax.jit(bank_step)(served, opt_state, jnp.asarray(BANK_IDS), TOKENS)
+
+
+def _base_shapes(served) -> set:
+    """The shapes of every bank's base weight and of its leaves (codes, scales)."""
+    shapes = set()
+    for x in jax.tree.leaves(served, is_leaf=_is_bank):
+        if _is_bank(x):
+            shapes.add(tuple(x.w.shape))
+            shapes.update(tuple(leaf.shape) for leaf in jax.tree.leaves(x.w))
+    return shapes
+
+
+@pytest.mark.parametrize(
+    ("kind", "layout", "adapter_axis"),
+    BANK_CASES,
+    ids=[f"{k}-{m}-adapters-{a or 'replicated'}" for k, m, a in BANK_CASES],
+)
+def test_bank_serves_and_trains_sharded_as_on_one_device(kind, layout, adapter_axis):
+    dense, _ = params(kind)
+    served = bank_params(kind)
+    specs, token_spec = bs.dense_specs(dense, layout)
+    placed_specs = qax.lora.bank_specs(served, specs, adapter_axis)
+    shardings = qax.sharding.implicit_shardings(served, placed_specs, MESH)
+    batch = NamedSharding(MESH, token_spec)
+    replicated = NamedSharding(MESH, P())
+    opt_state = bs.OPTIMIZER.init(bank_factors(served))
+    opt_sh = optax.tree_map_params(
+        bs.OPTIMIZER,
+        lambda _p, s: s,
+        opt_state,
+        bank_factors(shardings),
+        transform_non_params=lambda _: replicated,
+    )
+    ids = jnp.asarray(BANK_IDS)
+    args = jax.device_put(
+        (served, opt_state, ids, TOKENS), (shardings, opt_sh, batch, batch)
+    )
+
+    # the base as the dense weight's spec says, the adapter axis as asked
+    head = args[0]["head"]  # w [32, 96]: column-parallel in Megatron
+    base_leaf = jax.tree.leaves(head.w)[0]  # the weight, or its int8 codes
+    want = {"fsdp": P(bs.AXES, None), "megatron": P(None, "model")}[layout]
+    assert base_leaf.sharding.spec == want
+    assert head.a.sharding.spec[0] == adapter_axis
+    assert head.b.sharding.spec[0] == adapter_axis
+    n_local = len(BANK_RANKS) // (
+        1 if adapter_axis is None else MESH.shape[adapter_axis]
+    )
+    assert head.a.addressable_shards[0].data.shape[0] == n_local
+
+    # serving a mixed batch
+    serve = jax.jit(SERVE, in_shardings=(batch, shardings, batch), out_shardings=batch)
+    placed, _, placed_ids, tokens = args
+    losses = serve(placed_ids, placed, tokens)
+    ref_params, ref_opt_state, ref_losses = bank_single_device(kind)
+    close(losses, ref_losses)
+    # the adapters matter: each example's loss differs from the base model's
+    base_losses = serve(jnp.full_like(ids, -1), placed, tokens)
+    assert np.all(np.abs(np.asarray(losses - base_losses))[BANK_IDS >= 0] > 1e-6)
+    close(base_losses[BANK_IDS < 0], losses[BANK_IDS < 0])
+
+    # one training step of the bank's factors
+    step = jax.jit(
+        bank_step,
+        in_shardings=(shardings, opt_sh, batch, batch),
+        out_shardings=(shardings, opt_sh, batch),
+    )
+    with qax.materialization_policy(qax.ImplicitBase, "error"):
+        new, new_opt_state, step_losses = step(*args)
+    close(step_losses, ref_losses)
+    close(bank_factors(new), bank_factors(ref_params))
+    close(new_opt_state, ref_opt_state)
+    assert not np.allclose(new["head"].b, served["head"].b)
+    # the base did not move, and stays where it was
+    for path, leaf in _frozen_leaves(new).items():
+        before = _frozen_leaves(placed)[path]
+        assert leaf.sharding == before.sharding, path
+        np.testing.assert_array_equal(leaf, before)
+    assert [x.sharding for x in jax.tree.leaves(new)] == jax.tree.leaves(shardings)
+
+    # no example gets its own copy of the base (nor is the bank's stack formed)
+    jaxpr = jax.make_jaxpr(step)(*args)
+    bases = _base_shapes(served)
+    for eqn in all_eqns(jaxpr):
+        for out in eqn.outvars:
+            shape = tuple(getattr(out.aval, "shape", ()))
+            assert not (
+                shape[1:] in bases and shape[0] in (len(BANK_IDS), len(BANK_RANKS))
+            ), (eqn.primitive, shape)

@@ -1,8 +1,9 @@
 """Implicit arrays under JAX's own sharding, on 8 simulated CPU devices.
 
 The device count must be fixed before JAX starts, so the cases (`_sharding_cases.py`:
-single primitives; `_sharded_training_cases.py`: LoRA / QLoRA training on a 2x4 mesh)
-run in child pytest processes with `XLA_FLAGS=--xla_force_host_platform_device_count=8`.
+single primitives; `_sharded_training_cases.py`: LoRA / QLoRA training and adapter
+banks on a 2x4 mesh) run in child pytest processes with
+`XLA_FLAGS=--xla_force_host_platform_device_count=8`.
 The `qax.sharding` spec derivation is tested here, in this process.
 """
 
@@ -11,6 +12,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass
 
 import jax
@@ -243,6 +245,57 @@ def test_builtin_types_declare_how_their_fields_follow_the_weight():
     (got,) = qax.sharding.implicit_specs([qlora], [P(None, None, "model")])
     assert got.w.packed == P(None, None, "model") and got.a == P(None, None, None)
     assert got.b == P(None, None, "model")
+
+
+def _bank(base_w):
+    """A bank of two adapters (ranks 2 and 3) over `base_w` [8, 6], beside a bias."""
+    adapters = [
+        {
+            "w": qax.lora.LoraAdapter(jnp.ones((8, r)), jnp.ones((r, 6)), alpha=1.0),
+            "bias": None,
+        }
+        for r in (2, 3)
+    ]
+    return qax.lora.bank({"w": base_w, "bias": jnp.zeros(6)}, adapters)
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["dense", "int8"])
+def test_bank_specs_place_the_adapter_axis_before_the_weights_spec(quantized):
+    w = jnp.ones((8, 6))
+    served = _bank(qax.quant.Int8Weight.from_array(w) if quantized else w)
+    dense_specs = {"w": P(None, "model"), "bias": P("model")}
+    placed = qax.lora.bank_specs(served, dense_specs, adapter_axis="data")
+    assert placed == {"w": P("data", None, "model"), "bias": P("model")}
+    got = qax.sharding.implicit_specs(served, placed)["w"]
+    base = got.w.q if quantized else got.w
+    assert base == P(None, "model")  # the shared base: as the weight's spec says
+    assert (got.a, got.b) == (P("data", None, None), P("data", None, "model"))
+    # replicated adapters; a prefix spec covering the bank; FSDP over both mesh axes
+    fsdp = qax.lora.bank_specs(served, P(("data", "model")), adapter_axis=None)
+    assert fsdp == {"w": P(None, ("data", "model")), "bias": P(("data", "model"))}
+    got = qax.sharding.implicit_specs(served, fsdp)["w"]
+    assert (got.a, got.b) == (P(None, ("data", "model"), None), P(None, None, None))
+    with pytest.raises(ValueError, match="mesh axis 'data'.*already uses"):
+        qax.lora.bank_specs(served, fsdp, adapter_axis="data")
+
+
+def test_jit_takes_the_shardings_of_a_bank_without_warnings():
+    # Specs with several mesh axes per entry (FSDP), and JAX's unflattening of the
+    # sharding tree with `None` layouts: both give a bank (whose type declares no
+    # field ranks) leaves that are not arrays.
+    served = _bank(qax.quant.Int8Weight.from_array(jnp.ones((8, 6))))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("d", "m"))
+    specs = qax.lora.bank_specs(served, {"w": P(("d", "m")), "bias": None})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        shardings = qax.sharding.implicit_shardings(served, specs, mesh)
+        assert shardings["w"].a.spec == P(None, ("d", "m"), None)
+        f = jax.jit(
+            lambda p: qax.lora.unbank(p)[1][1]["w"].b,
+            in_shardings=(shardings,),
+            out_shardings=NamedSharding(mesh, P()),
+        )
+        np.testing.assert_array_equal(f(served), jnp.ones((3, 6)))
 
 
 # ----------------------------------------------------------------------------------------

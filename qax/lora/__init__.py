@@ -76,6 +76,7 @@ from ._bank import (
     per_example,
     unbank,
 )
+from ._bank_specs import bank_specs
 from ._params import (
     combine,
     default_filter,
@@ -101,6 +102,7 @@ __all__ = [
     "PlanRow",
     "bank",
     "bank_padding",
+    "bank_specs",
     "biases",
     "check_rules",
     "combine",
