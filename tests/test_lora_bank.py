@@ -475,3 +475,17 @@ def test_one_step_trains_every_adapter_as_its_own_step_would():
             lambda u, v: float(jnp.abs(u - v).max()), single, adapter
         )
         assert max(jax.tree_util.tree_leaves(moved)) > 1e-3
+
+
+def test_split_merge_and_counts_know_banks():
+    adapters, base = _adapters(_init())
+    served = qax.lora.bank(base, adapters)
+    with pytest.raises(ValueError, match=r"LoraBank at conv .*unbank"):
+        qax.lora.split(served)
+    merged = qax.lora.merge(served)
+    np.testing.assert_allclose(merged["out"], served["out"].materialize())
+    assert merged["out"].shape == (3, H * K, D)
+    stored = sum(
+        x.a.size + x.b.size for x in (served[n] for n in ("embed", "q", "out", "conv"))
+    )
+    assert qax.lora.trainable_count(served) == stored

@@ -16,6 +16,7 @@ import numpy as np
 
 import qax
 
+from ._bank import LoraBank
 from ._select import (
     Plan,
     PlanRow,
@@ -29,6 +30,16 @@ from ._weight import LoraAdapter, LoraWeight
 
 def _is_lora(x: Any) -> bool:
     return isinstance(x, LoraWeight)
+
+
+_SPLIT_BANK = (
+    "qax.lora.split: the parameters hold a LoraBank at {path} (many adapters over one "
+    "base), which `split` does not take apart. To train a bank's adapters with optax, "
+    "keep them as the list of adapter trees `qax.lora.unbank(params)` returns, and "
+    "build the bank inside the loss: `qax.lora.per_example(f)(ids, qax.lora.bank(base, "
+    "adapters), ...)`. To train it in place, use `qax.freeze_keys(tx, "
+    "qax.lora.LoraBank, ['w'])` or `qax.nnx.Optimizer`."
+)
 
 
 # What the default filter leaves out, by name (`default_filter`), with the reason.
@@ -416,7 +427,8 @@ def _factor_axes(
 def merge(params: Any) -> Any:
     """Dense parameters for serving: every `LoraWeight` becomes ``w + s·a⊗b``.
 
-    A quantized base weight is dequantized (the merged weight is dense).
+    A quantized base weight is dequantized (the merged weight is dense). A `LoraBank`
+    becomes the stack of its adapters' merged weights (what it stands for).
 
     Examples:
         >>> dense = qax.lora.merge(params)  # runs without use_implicit_args
@@ -428,12 +440,15 @@ def merge(params: Any) -> Any:
       The same tree with plain arrays in place of the `LoraWeight`s.
     """
 
+    def is_leaf(x: Any) -> bool:
+        return _is_lora(x) or isinstance(x, LoraBank)
+
     def one(x: Any) -> Any:
-        if not _is_lora(x):
+        if not is_leaf(x):
             return x
         return qax.materialize_nested(x, full=True)
 
-    return jax.tree_util.tree_map(one, params, is_leaf=_is_lora)
+    return jax.tree_util.tree_map(one, params, is_leaf=is_leaf)
 
 
 def split(params: Any) -> tuple[Any, Any]:
@@ -455,6 +470,13 @@ def split(params: Any) -> tuple[Any, Any]:
     Returns:
       ``(adapters, base)``.
     """
+
+    for path, x in jax.tree_util.tree_flatten_with_path(
+        params, is_leaf=lambda v: isinstance(v, LoraBank)
+    )[0]:
+        if isinstance(x, LoraBank):
+            path_text = qax.utils.path_string(path)
+            raise ValueError(_SPLIT_BANK.format(path=path_text))
 
     def adapter(x: Any) -> Any:
         if not _is_lora(x):
@@ -529,14 +551,15 @@ def trainable_count(params: Any) -> int:
         14
 
     Args:
-      params: parameters holding `LoraWeight`s (or the adapters from `split`).
+      params: parameters holding `LoraWeight`s or `LoraBank`s (or the adapters from
+        `split`).
 
     Returns:
-      The total size of the factors.
+      The total size of the factors (a bank's as stored, padding included).
     """
 
     def is_leaf(x: Any) -> bool:
-        return _is_lora(x) or isinstance(x, LoraAdapter)
+        return _is_lora(x) or isinstance(x, (LoraAdapter, LoraBank))
 
     found = jax.tree_util.tree_leaves(params, is_leaf=is_leaf)
     return sum(int(np.size(x.a)) + int(np.size(x.b)) for x in found if is_leaf(x))
