@@ -7,6 +7,8 @@ from ._compat import jaxpr_as_function as jaxpr_as_function
 from ._compat import known_constant as known_constant
 from ._entry import materialize_nested as materialize_nested
 from ._fields import batch_ndim as batch_ndim
+from ._layout import Layout as Layout
+from ._layout import contracted_axes as contracted_axes
 from ._optax import apply_updates as apply_updates
 from ._optax import freeze_keys as freeze_keys
 from ._optax import freeze_subtrees as freeze_subtrees
@@ -32,8 +34,10 @@ from ._vmap import vmap_all_but_one as vmap_all_but_one
 
 __all__ = [
     "EmptyNode",
+    "Layout",
     "apply_updates",
     "batch_ndim",
+    "contracted_axes",
     "eval_context",
     "flatten_one_implicit_layer",
     "freeze_keys",

@@ -91,6 +91,9 @@ from ._weight import LoraAdapter, LoraWeight
 
 # Public here before it moved to `qax.utils` (the parameter-tree helpers' home).
 path_string = qax.utils.path_string
+# PEFT's layout for every kernel, read from one abstract trace of the model (lives in
+# `qax.utils`: it reads jaxprs); pass it as `loraify`'s ``a_axes``.
+contracted_axes = qax.utils.contracted_axes
 
 __all__ = [
     "BankPadding",
@@ -106,6 +109,7 @@ __all__ = [
     "biases",
     "check_rules",
     "combine",
+    "contracted_axes",
     "default_filter",
     "loraify",
     "merge",

@@ -169,7 +169,10 @@ def loraify(
         ``a_axes=(1,)`` gets ``a (d_model, rank)`` and ``b (rank, heads, head_dim)``,
         one ``b`` column block per head, where ``split_at`` can only cut the axes in
         order. (Name the contracted axes: the adapter then costs
-        ``rank * (contracted size + the rest)`` numbers.)
+        ``rank * (contracted size + the rest)`` numbers.) A function may return
+        ``None`` for a weight: ``split_at`` decides there. `contracted_axes` gives
+        such a function for the whole model, read from one abstract trace of it
+        (PEFT's layout on every kernel, no rules).
       freeze_w: passed to every `LoraWeight`.
       dtype: the dtype of the new factors (default: the weight's).
       batch_ndim: leading axes of a chosen weight that stack independent weights
@@ -402,8 +405,8 @@ def _factor_axes(
     """The axes of one weight that ``a`` and ``b`` run along (`loraify`'s ``a_axes``
     or ``split_at``)."""
     k = len(shape)
-    if s["a_axes"] is not None:
-        given = s["a_axes"](name, leaf) if callable(s["a_axes"]) else s["a_axes"]
+    given = s["a_axes"](name, leaf) if callable(s["a_axes"]) else s["a_axes"]
+    if given is not None:  # (a callable's None: the default layout for this weight)
         try:
             axes = tuple(int(i) for i in given)
         except TypeError:
