@@ -35,6 +35,7 @@ NOT_CACHES = {
     ("qax._explain", "_MARKS"): "a constant",
     ("qax._explain", "_OUTCOME_ORDER"): "a constant",
     ("qax._integrations", "_waiting"): "registrations waiting for a library",
+    ("qax._layout", "_CALLS"): "a constant",
     ("qax._integrations", "classes"): "registered classes",
     ("qax._integrations", "dataclasses_by_type"): "registered classes",
     ("qax._rules.sharding", "_SINGLE"): "a constant",

@@ -73,7 +73,6 @@ from ._bank import (
     LoraBank,
     bank,
     bank_padding,
-    per_example,
     unbank,
 )
 from ._bank_specs import bank_specs
@@ -86,6 +85,7 @@ from ._params import (
     split,
     trainable_count,
 )
+from ._per_example import per_example
 from ._select import Plan, PlanRow, biases, check_rules, unmatched_rules
 from ._weight import LoraAdapter, LoraWeight
 
