@@ -33,7 +33,7 @@ from . import _errors
 from ._base import NB, STACKED, ImplicitBase, is_implicit
 from ._compat import register_vmappable
 from ._entry import densify, materialize_nested
-from ._fields import batchable, children_of, fields_of, rebuild
+from ._fields import batchable, children_of, fields_of, rebuild, shape_only
 from ._report import quietly
 
 
@@ -217,8 +217,13 @@ def undeclared_layout(obj: ImplicitBase, children: list, ranks: tuple) -> None:
     found = None
     example = False
     shaped = False  # an array leaf (not a nested implicit array) was seen
+    shape_only_parts = []  # (field position, per-example rank): see `fit_shape_only`
     i = 0
-    for child in children:
+    for k, child in enumerate(children):
+        if shape_only(child) and i < len(ranks) and child.shape is not None:
+            shape_only_parts.append((k, ranks[i]))
+            i += 1
+            continue
         shape_of = getattr(child, "shape", None)
         leaves = (
             (child,)
@@ -250,12 +255,30 @@ def undeclared_layout(obj: ImplicitBase, children: list, ranks: tuple) -> None:
         return
     if found is None or shape is None or nb is None:
         return  # placeholders (JAX unflattens trees of axes and sentinels)
+    if shape_only_parts:
+        _fit_shape_only_parts(obj, shape_only_parts, found)
     if len(found) != nb or shape[:nb] != found:
         d["shape"], d[NB] = (*found, *shape[nb:]), len(found)
     if d[NB]:
         d[STACKED] = ranks
     else:
         d.pop(STACKED, None)
+
+
+def _fit_shape_only_parts(obj: ImplicitBase, parts: list, batch: tuple) -> None:
+    """Give the shape-only children of `obj` (a symbolic constant under per-example
+    factors: the same in every example) the batch shape of the leaves beside them,
+    which a pytree map or `lax.scan` sliced or stacked without them."""
+    d = obj.__dict__
+    names = fields_of(type(obj)).children
+    for k, rank in parts:
+        child = d[names[k]]
+        shape = tuple(child.shape)
+        if rank > len(shape):
+            continue
+        new = (*batch, *shape[len(shape) - rank :])
+        if new != shape:
+            d[names[k]] = rebuild(child, {}, new, 0)
 
 
 def _example_shape(obj: ImplicitBase, shape: Any) -> Any:
@@ -326,7 +349,7 @@ def _child_to_elt(cont: Callable, y: Any, axis: int) -> Any:
     if not is_implicit(y) or batchable(type(y)):
         return cont(y, axis)
     if sliceable(y, axis):
-        return jax.tree_util.tree_map(lambda leaf: cont(leaf, axis), y)
+        return _map_parts(y, lambda part: _child_to_elt(cont, part, axis))
     return cont(densify(y, "vmap", undeclared_reason("vmap", "maps", y, axis)), axis)
 
 
@@ -336,9 +359,19 @@ def _child_from_elt(cont: Callable, axis_size: int, y: Any, axis: int | None) ->
     if not is_implicit(y) or batchable(type(y)):
         return cont(axis_size, y, axis)
     if axis is None or axis <= (y.__dict__.get(NB) or 0):
-        return jax.tree_util.tree_map(lambda leaf: cont(axis_size, leaf, axis), y)
+        return _map_parts(y, lambda part: _child_from_elt(cont, axis_size, part, axis))
     reason = undeclared_reason("vmap", "stacks its outputs of type", y, axis)
     return cont(axis_size, densify(y, "vmap", reason), axis)
+
+
+def _map_parts(y: ImplicitBase, fn: Callable[[Any], Any]) -> ImplicitBase:
+    """`y`, of a type that declares nothing, rebuilt (as a pytree) from `fn` of each of
+    its array leaves and of each implicit array nested in it, whole: `vmap` batches a
+    nested declared value by its own rules, and one without leaves (a symbolic
+    constant) too, which a map over leaves would leave unbatched beside batched ones."""
+    return jax.tree_util.tree_map(
+        fn, y, is_leaf=lambda z: z is not y and is_implicit(z)
+    )
 
 
 def _canonical_axis(axis: Any, ndim: int, x: ImplicitBase) -> int:
@@ -405,16 +438,3 @@ def stack_like(template: Any, leaves: list, length: int) -> Any:
 
     out = jax.tree_util.tree_map(build, template, is_leaf=is_implicit)
     return out
-
-
-def stackable(x: Any) -> bool:
-    """Whether implicit `x` can be stacked leaf by leaf (recursively)."""
-    if not is_implicit(x):
-        return True
-    if not batchable(type(x)):
-        return False
-    return all(
-        stackable(leaf)
-        for c in children_of(x).values()
-        for leaf in jax.tree_util.tree_leaves(c, is_leaf=is_implicit)
-    )

@@ -39,7 +39,7 @@ from ._compat import (
     set_current_trace,
 )
 from ._eager import eager_trace, new_trace, release
-from ._fields import fields_of
+from ._fields import fields_of, stackable
 from ._interpreter import (
     ImplicitTag,
     ImplicitTrace,
@@ -288,11 +288,50 @@ def _implicit_jvp(primals, tangents, *, tree, aval):
 
 
 def _implicit_batch(args, dims, *, tree, aval):
-    _report_unboxed(tree, args, _errors.CREATED_UNDER_VMAP)
     # `dims` holds None for the leaves that are not batched, as `in_axes` does.
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    stacked = _stacked(tree, args, dims, size, aval)
+    if stacked is not None:
+        return box(stacked), 0
+    _report_unboxed(tree, args, _errors.CREATED_UNDER_VMAP)
     dense = functools.partial(_unboxed_dense, tree)
     return jax.vmap(dense, in_axes=list(dims), axis_size=size)(*args), 0
+
+
+class _NotStackable(Exception):
+    pass
+
+
+def _stacked(tree: Any, args: Sequence, dims: Sequence, size: int, aval: Any):
+    """The stack, along a new leading axis, of the examples of an implicit value built
+    inside `vmap` (leaves `args`, batched along `dims`), if its type and those of the
+    implicit arrays nested in it declare their batch axes: stacked leaf by leaf, as
+    `vmap` outside `use_implicit_args` stacks it (a part shared by the examples, such
+    as a base weight closed over, is broadcast along the new axis). Else None."""
+
+    trace = current_trace()
+    if isinstance(trace, ImplicitTrace):
+        # An implicit part shared by the examples (a symbolic constant closed over):
+        # its value, which `vmap` batches by its own rules below. (A batched one stays
+        # this trace's tracer: `vmap` slices it as the array it is.)
+        args = [
+            trace.to_value(a) if d is None else a
+            for a, d in zip(args, dims, strict=True)
+        ]
+
+    def example(*leaves):
+        value = jax.tree_util.tree_unflatten(tree, list(leaves))
+        if not stackable(value):
+            raise _NotStackable
+        return value
+
+    try:
+        out = jax.vmap(example, in_axes=list(dims), axis_size=size)(*args)
+    except _NotStackable:
+        return None
+    if not isinstance(out, ImplicitBase) or tuple(out.shape) != (size, *aval.shape):
+        return None
+    return out
 
 
 implicit_p.def_impl(_implicit_impl)

@@ -259,10 +259,11 @@ CREATED_INSIDE_USED_OUTSIDE: Final = (
 )
 
 CREATED_UNDER_VMAP: Final = (
-    "An implicit {cls} was built inside `jax.vmap` from batched values; a `vmap` "
-    "applied inside `qax.use_implicit_args` cannot keep it implicit, so it is "
-    "materialized. Apply `vmap` outside `use_implicit_args` "
-    "(`jax.vmap(qax.use_implicit_args(f))`) to keep it implicit."
+    "An implicit {cls} was built inside `jax.vmap` from batched values, and {cls} (or "
+    "an implicit array in it) does not declare how its fields carry batch axes, so "
+    "the stack of its examples cannot stay implicit: it is materialized. Declare batch "
+    "axes with `qax.array_field(ndim=...)`, or apply `vmap` outside "
+    "`use_implicit_args` (`jax.vmap(qax.use_implicit_args(f))`) to keep it implicit."
 )
 
 CREATED_UNDER_GRAD: Final = (

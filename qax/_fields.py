@@ -227,6 +227,22 @@ def batchable(cls: type) -> bool:
     return fields_of(cls).declared
 
 
+def stackable(x: Any) -> bool:
+    """Whether implicit `x` can be stacked leaf by leaf (recursively)."""
+    if not isinstance(x, ImplicitBase):
+        return True
+    if not batchable(type(x)):
+        return False
+    d = x.__dict__
+    return all(
+        stackable(leaf)
+        for n in fields_of(type(x)).children
+        for leaf in jax.tree_util.tree_leaves(
+            d[n], is_leaf=lambda y: isinstance(y, ImplicitBase)
+        )
+    )
+
+
 # ----------------------------------------------------------------------------------------
 # Instances
 
@@ -300,6 +316,48 @@ def leaf_batch_shape(children: list, ndims: tuple) -> Any:
             elif batch != found:
                 return None
     return NO_ARRAYS if found is None else found
+
+
+def shape_only(x: Any) -> bool:
+    """Whether `x` is an implicit array of a type without children (a symbolic
+    constant): its shape lives in its aux data, so a pytree map or `lax.scan` over the
+    leaves of a value that holds it leaves it whole, and `vmap` stacks it as copies of
+    one example."""
+    return isinstance(x, ImplicitBase) and not fields_of(type(x)).children
+
+
+def fit_shape_only(children: list, ndims: tuple) -> tuple[list, Any]:
+    """`children` (a declared type's, in field order, of declared ranks `ndims`) with
+    each shape-only child given the batch shape of the others' leaves, and that batch
+    shape; `(children, None)` if the others do not agree or hold no array.
+
+    A stack over a shape-only part (a LoRA over a symbolic-constant base) whose leaves a
+    `lax.scan` or a `tree_map` sliced (or stacked) keeps that part's old shape: being the
+    same in every example, it takes the batch shape of the leaves beside it.
+    """
+    keep = [(c, n) for c, n in zip(children, ndims) if not shape_only(c)]
+    found = leaf_batch_shape([c for c, _ in keep], tuple(n for _, n in keep))
+    if found is None or found is NO_ARRAYS or len(keep) == len(children):
+        return children, None
+    out = []
+    for child, ndim in zip(children, ndims):
+        if shape_only(child) and child.shape is not None:
+            example = _one_example_shape(child, ndim)
+            if example is None:
+                return children, None
+            new = (*found, *example)
+            if new != tuple(child.shape):
+                child = rebuild(child, {}, new, 0)
+        out.append(child)
+    return out, found
+
+
+def _one_example_shape(x: ImplicitBase, ndim: Any) -> tuple | None:
+    """The shape of one example of shape-only `x`, whose examples have `ndim` axes."""
+    shape = tuple(x.shape)
+    if not isinstance(ndim, int) or len(shape) < ndim:
+        return None
+    return shape[len(shape) - ndim :]
 
 
 def check_batch(x: ImplicitBase) -> int:

@@ -37,6 +37,7 @@ from ._fields import (
     aux_field,
     check_batch,
     fields_of,
+    fit_shape_only,
     leaf_batch_shape,
 )
 from ._interpreter import ImplicitTracer, implicit_children
@@ -91,7 +92,11 @@ def _pytree_functions(cls: type) -> tuple[Callable, Callable, Callable]:
         if aux_names:
             d.update(zip(aux_names, aux_values))
         if declared and nb is not None and shape is not None:
-            batch = leaf_batch_shape(children, fields.ranks(d) if dynamic else ndims)
+            ranks_ = fields.ranks(d) if dynamic else ndims
+            batch = leaf_batch_shape(children, ranks_)
+            if batch is None:  # a shape-only part beside sliced or stacked leaves?
+                children, batch = fit_shape_only(children, ranks_)
+                d.update(zip(names, children))
             if batch is None:
                 nb = None  # leaves that do not fit the declaration (see _check_entry)
             elif batch is not NO_ARRAYS and (len(batch) != nb or shape[:nb] != batch):

@@ -4,8 +4,8 @@ Hypothesis draws an implicit input (declared or undeclared batching, with or wit
 handlers, nested, symbolic), a short program of array operations with transformations
 wrapped around parts of it (jit, vmap, grad, scan, cond, fori_loop, while_loop,
 checkpoint, custom_jvp; loop carries may change their implicit structure) and an outer
-transformation (none, jit, gradients, `vmap` outside `use_implicit_args` over a stack of
-inputs built by `vmap`); `qax.use_implicit_args(f)(x)` must equal `f` on the
+transformation (none, jit, gradients, `vmap` or `lax.scan` outside `use_implicit_args`
+over a stack of inputs built by `vmap`); `qax.use_implicit_args(f)(x)` must equal `f` on the
 materialized input: values, shapes, dtypes, weak types, and gradients with respect to
 the implicit input's leaves and to the dense input.
 
@@ -143,6 +143,32 @@ class PropDiag(qax.ImplicitArray):
         return jnp.diag(self.d)
 
 
+@dataclass
+class PropULora(qax.ImplicitArray):
+    """LoRA that declares no batch axes, with a handler written for one example: a
+    stack of them built by `vmap` or by hand may share its base across examples."""
+
+    w: qax.ArrayValue
+    a: qax.ArrayValue
+    b: qax.ArrayValue
+
+    def materialize(self):
+        return self.w + self.a @ jnp.swapaxes(self.b, -1, -2)
+
+
+@qax.primitive_handler("dot_general")
+def _prop_ulora_matmul(
+    primitive, x: jax.Array, w: PropULora, *, dimension_numbers, **kw
+):
+    (lc, rc), (lb, rb) = dimension_numbers
+    if w.ndim != 2 or lb or rb or tuple(lc) != (x.ndim - 1,) or tuple(rc) != (0,):
+        return NotImplemented
+    out = qax.default_handler(
+        primitive, x, w.w, dimension_numbers=dimension_numbers, **kw
+    )
+    return out + (x @ w.a) @ w.b.T
+
+
 @qax.primitive_handler("dot_general")
 def _prop_diag_matmul(primitive, x: jax.Array, w: PropDiag, *, dimension_numbers, **kw):
     (lc, rc), (lb, rb) = dimension_numbers
@@ -177,10 +203,26 @@ def make_input(kind: str, seed: int):
         return PropZeros(shape=(N, N))
     if kind == "constant":
         return SymbolicConstant(0.75, shape=(N, N))  # weakly typed
+    if kind == "lora_constant":  # a LoRA over a symbolic-constant base
+        base = SymbolicConstant(0.75, shape=(N, N), dtype=jnp.float32)
+        return PropLora(base, normal(k[1], (N, 2)), normal(k[2], (N, 2)))
+    if kind == "ulora_constant":
+        base = SymbolicConstant(0.75, shape=(N, N), dtype=jnp.float32)
+        return PropULora(base, normal(k[1], (N, 2)), normal(k[2], (N, 2)))
     raise ValueError(kind)
 
 
-KINDS = ["lora", "scaled", "nested", "shift", "outer", "zeros", "constant"]
+KINDS = [
+    "lora",
+    "scaled",
+    "nested",
+    "shift",
+    "outer",
+    "zeros",
+    "constant",
+    "lora_constant",
+    "ulora_constant",
+]
 
 
 # ----------------------------------------------------------------------------------------
@@ -209,6 +251,10 @@ OPS = {
 # dense array it stands for (`BUILD_DENSE`).
 _FA = 0.5 * jax.random.normal(jax.random.PRNGKey(7), (N, 2))
 _FB = 0.5 * jax.random.normal(jax.random.PRNGKey(8), (N, 2))
+# Per-example factors of stacks that share their base (the current value) across
+# examples: built inside `vmap` with the base closed over, or stacked by hand.
+_SA = 0.5 * jax.random.normal(jax.random.PRNGKey(9), (2, N, 2))
+_SB = 0.5 * jax.random.normal(jax.random.PRNGKey(10), (2, N, 2))
 BUILD_DENSE = [False]
 
 
@@ -230,6 +276,23 @@ def _diag_right(h, y):
         return h
     d = _diag_of(h)
     return _built(lambda: h @ PropDiag(d), lambda: h @ jnp.diag(d))
+
+
+def _shared_stack(cls, by_hand):
+    """A stack of two `cls` LoRAs over the current value (one base, shared)."""
+
+    def op(h, y):
+        if jnp.ndim(h) != 2:
+            return h
+
+        def implicit():
+            if by_hand:
+                return cls(h, _SA, _SB)
+            return jax.vmap(lambda a, b: cls(h, a, b))(_SA, _SB)
+
+        return _built(implicit, lambda: h + _SA @ jnp.swapaxes(_SB, -1, -2))
+
+    return op
 
 
 def _lax_dot(h, y):
@@ -254,6 +317,9 @@ BUILD_OPS = {
         h if jnp.ndim(h) < 1 else _built(lambda: PropOuter(h, y[0]), lambda: h + y[0])
     ),
     "diag_right": _diag_right,
+    "stack_lora": _shared_stack(PropLora, by_hand=False),
+    "stack_ulora": _shared_stack(PropULora, by_hand=False),
+    "hand_stack_ulora": _shared_stack(PropULora, by_hand=True),
     "jnp_matmul": lambda h, y: h if jnp.ndim(h) < 1 else jnp.matmul(h, y),
     "lax_dot": _lax_dot,
     "einsum": lambda h, y: h if jnp.ndim(h) < 1 else jnp.einsum("...j,jk->...k", h, y),
@@ -351,7 +417,7 @@ def dense_or_reject(fn, *args):
         hypothesis.reject()
 
 
-OUTER = ["none", "jit", "grad_y", "grad_leaves", "vmap_outside"]
+OUTER = ["none", "jit", "grad_y", "grad_leaves", "vmap_outside", "scan_outside"]
 
 
 def _programs(ops):
@@ -418,6 +484,16 @@ def check_program(kind, seed, program, outer):
                 stacked, y
             )
             want = jax.vmap(f, in_axes=(0, None))(dense(stacked), y)
+            assert_same(got, want, what)
+        elif outer == "scan_outside":
+            # The same stack, scanned outside the wrapper: each row is rebuilt from
+            # its sliced leaves (a shape-only part, a symbolic-constant base, has none).
+            stacked = jax.vmap(lambda s: make_input(kind, s))(jnp.arange(3) + seed)
+            if not jax.tree_util.tree_leaves(stacked):
+                hypothesis.reject()  # (`lax.scan` cannot slice a value without leaves)
+            g = qax.use_implicit_args(f_implicit)
+            got = lax.scan(lambda c, x: (c, g(x, y)), 0, stacked)[1]
+            want = lax.scan(lambda c, x: (c, f(x, y)), 0, dense(stacked))[1]
             assert_same(got, want, what)
         elif outer in ("none", "jit"):
             g, oracle = qax.use_implicit_args(f_implicit), f

@@ -19,7 +19,6 @@ from .._base import ImplicitBase
 from .._batching import (
     slice_template,
     stack_like,
-    stackable,
     undeclared_reason,
     with_sliceable_parts,
 )
@@ -33,6 +32,7 @@ from .._compat import (
     typeof,
 )
 from .._entry import densify
+from .._fields import stackable
 from .._interpreter import ImplicitTrace
 from .._report import holding_reports, replay
 from .._structure import common_structure_paths, describe, materialize_at, value_at

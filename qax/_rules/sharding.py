@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec
 
 from .. import _dispatch, _errors
 from .._base import NB, ImplicitBase
-from .._batching import stack_like, stackable
+from .._batching import stack_like
 from .._compat import (
     bind_with_trace,
     flatten_ft,
@@ -35,7 +35,7 @@ from .._compat import (
     varying_axes,
 )
 from .._entry import densify
-from .._fields import rebuild
+from .._fields import rebuild, stackable
 from .._interpreter import ImplicitTrace, materialize_and_bind
 from .._partition import Undeclared, child_specs, first_undeclared, leaf_specs
 from ._staging import (
