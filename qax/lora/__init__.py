@@ -76,6 +76,7 @@ from ._bank import (
     unbank,
 )
 from ._bank_specs import bank_specs
+from ._dora import DoraAdapter, DoraBase, DoraWeight, to_dora
 from ._params import (
     combine,
     default_filter,
@@ -98,6 +99,9 @@ contracted_axes = qax.utils.contracted_axes
 __all__ = [
     "BankPadding",
     "BankPaddingRow",
+    "DoraAdapter",
+    "DoraBase",
+    "DoraWeight",
     "LoraAdapter",
     "LoraBank",
     "LoraWeight",
@@ -117,6 +121,7 @@ __all__ = [
     "per_example",
     "plan",
     "split",
+    "to_dora",
     "trainable_count",
     "unbank",
     "unmatched_rules",

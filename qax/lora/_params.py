@@ -17,6 +17,7 @@ import numpy as np
 import qax
 
 from ._bank import LoraBank
+from ._dora import DoraAdapter, DoraBase, DoraWeight
 from ._select import (
     Plan,
     PlanRow,
@@ -444,7 +445,7 @@ def merge(params: Any) -> Any:
     """
 
     def is_leaf(x: Any) -> bool:
-        return _is_lora(x) or isinstance(x, LoraBank)
+        return isinstance(x, (LoraWeight, LoraBank, DoraWeight))
 
     def one(x: Any) -> Any:
         if not is_leaf(x):
@@ -482,6 +483,8 @@ def split(params: Any) -> tuple[Any, Any]:
             raise ValueError(_SPLIT_BANK.format(path=path_text))
 
     def adapter(x: Any) -> Any:
+        if isinstance(x, DoraWeight):
+            return DoraAdapter(x.a, x.b, x.m, alpha=x.alpha, a_axes=x.a_axes)
         if not _is_lora(x):
             return None
         return LoraAdapter(
@@ -489,6 +492,8 @@ def split(params: Any) -> tuple[Any, Any]:
         )
 
     def frozen(x: Any) -> Any:
+        if isinstance(x, DoraWeight):
+            return DoraBase(x.w, x.w_norm2)
         return x.w if _is_lora(x) else x
 
     # Every implicit array is one weight: None at a quantized weight without LoRA (not
@@ -526,11 +531,22 @@ def combine(adapters: Any, base: Any) -> Any:
     """
 
     def is_leaf(x: Any) -> bool:
-        return x is None or isinstance(x, LoraAdapter)
+        return x is None or isinstance(x, (LoraAdapter, DoraAdapter))
 
     def one(adapter: Any, w: Any) -> Any:
         if adapter is None:
             return w
+        if isinstance(adapter, DoraAdapter):
+            w, w_norm2 = (w.w, w.w_norm2) if isinstance(w, DoraBase) else (w, None)
+            return DoraWeight(
+                w,
+                adapter.a,
+                adapter.b,
+                m=adapter.m,
+                w_norm2=w_norm2,
+                alpha=adapter.alpha,
+                a_axes=adapter.a_axes,
+            )
         return LoraWeight(
             w,
             adapter.a,
@@ -562,7 +578,13 @@ def trainable_count(params: Any) -> int:
     """
 
     def is_leaf(x: Any) -> bool:
-        return _is_lora(x) or isinstance(x, (LoraAdapter, LoraBank))
+        return isinstance(
+            x, (LoraWeight, LoraAdapter, LoraBank, DoraWeight, DoraAdapter)
+        )
 
     found = jax.tree_util.tree_leaves(params, is_leaf=is_leaf)
-    return sum(int(np.size(x.a)) + int(np.size(x.b)) for x in found if is_leaf(x))
+    return sum(
+        int(np.size(x.a)) + int(np.size(x.b)) + int(np.size(getattr(x, "m", ())))
+        for x in found
+        if is_leaf(x)
+    )

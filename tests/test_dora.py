@@ -1,0 +1,233 @@
+"""`qax.lora.DoraWeight`: DoRA whose products never form ``W + sAB``.
+
+The oracle is a dense reference with PEFT's semantics: ``V = w + s·a⊗b``, its norm per
+output unit over the input axes (a constant for gradients), the weight
+``m · V / ‖V‖``. Implicitness: the "error" policy, and the jaxpr of a train step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+
+import qax
+
+K = jax.random.split(jax.random.key(0), 8)
+S = 2.0  # alpha / rank: alpha 6, rank 3
+
+
+def reference(w, a, b, m, a_axes):
+    """PEFT's DoRA weight, formed densely."""
+    lora = qax.lora.LoraWeight(w, a, b, alpha=S * a.shape[-1], a_axes=a_axes)
+    v = qax.materialize_nested(lora, full=True)
+    in_axes, out_axes = lora.axes()
+    norm = jnp.sqrt(jnp.sum(v * v, axis=in_axes, keepdims=True))
+    m = jnp.reshape(m, [v.shape[i] if i in out_axes else 1 for i in range(v.ndim)])
+    return m * v / lax.stop_gradient(norm)
+
+
+def _conv(x, w):
+    return lax.conv_general_dilated(
+        x, w, (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC")
+    )
+
+
+# layout: (weight shape, a_axes, the model, its input)
+LAYOUTS = {
+    "dense": (
+        (16, 8),
+        None,
+        lambda x, w: x @ w,
+        lambda: jax.random.normal(K[6], (4, 16)),
+    ),
+    "transposed": (
+        (16, 8),
+        None,
+        lambda x, w: x @ w.T,
+        lambda: jax.random.normal(K[6], (4, 8)),
+    ),
+    "einsum": (
+        (2, 16, 4),
+        (1,),
+        lambda x, w: jnp.einsum("bd,hdk->bhk", x, w),
+        lambda: jax.random.normal(K[6], (4, 16)),
+    ),
+    "conv": ((3, 8, 6), None, _conv, lambda: jax.random.normal(K[6], (2, 5, 8))),
+    "embedding": (
+        (10, 8),
+        None,
+        lambda ids, w: w[ids],
+        lambda: jnp.array([3, 0, 9, 3]),
+    ),
+}
+
+
+def _dora(shape, a_axes, fmt=None, stacked=0):
+    w = jax.random.normal(K[0], shape)
+    params = {"w": w}
+    if fmt is not None:
+        options = {"block_size": 2} if fmt == "nf4" else {}
+        params = qax.quant.quantize(
+            params, fmt, filter=lambda p, x: True, batch_ndim=stacked, **options
+        )
+    lora = qax.lora.loraify(
+        params, 3, key=K[1], alpha=6.0, a_axes=a_axes, filter=lambda p, x: True,
+        batch_ndim=stacked,
+    )["w"]  # fmt: skip
+    lora = qax.lora.LoraWeight(
+        lora.w, lora.a, 0.3 * jax.random.normal(K[2], lora.b.shape), alpha=6.0,
+        a_axes=lora.a_axes,
+    )  # fmt: skip
+    d = qax.lora.to_dora({"w": lora})["w"]
+    m = d.m * (1.0 + 0.3 * jax.random.uniform(K[3], d.m.shape))  # a trained magnitude
+    return qax.lora.DoraWeight(
+        d.w, d.a, d.b, m=m, w_norm2=d.w_norm2, alpha=6.0, a_axes=d.a_axes
+    )
+
+
+def no_materialization():
+    return qax.materialization_policy(qax.ImplicitArray, "error")
+
+
+def _close(got, want, tol=1e-5):
+    got, want = np.asarray(got), np.asarray(want)
+    scale = max(1.0, float(np.abs(want).max()))
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * scale)
+    cos = np.sum(got * want) / (np.linalg.norm(got) * np.linalg.norm(want))
+    assert cos >= 0.9999
+
+
+@pytest.mark.parametrize("fmt", [None, "int8", "nf4"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_products_and_gradients_match_peft_semantics(layout, fmt):
+    shape, a_axes, f, make_x = LAYOUTS[layout]
+    d = _dora(shape, a_axes, fmt)
+    x = make_x()
+    w = qax.materialize_nested(d.w, full=True)
+    _close(d.materialize(), reference(w, d.a, d.b, d.m, d.a_axes))
+
+    def implicit(a, b, m):
+        dw = qax.lora.DoraWeight(
+            d.w, a, b, m=m, w_norm2=d.w_norm2, alpha=6.0, a_axes=d.a_axes
+        )
+        return qax.use_implicit_args(f)(x, dw)
+
+    def dense(a, b, m):
+        return f(x, reference(w, a, b, m, d.a_axes))
+
+    with no_materialization():
+        got = jax.jit(implicit)(d.a, d.b, d.m)
+        grads = jax.jit(jax.grad(lambda *p: jnp.sum(jnp.sin(implicit(*p))), (0, 1, 2)))(
+            d.a, d.b, d.m
+        )
+    _close(got, dense(d.a, d.b, d.m))
+    want = jax.grad(lambda *p: jnp.sum(jnp.sin(dense(*p))), (0, 1, 2))(d.a, d.b, d.m)
+    for g, gw in zip(grads, want, strict=True):
+        _close(g, gw, tol=2e-5)
+
+
+@pytest.mark.parametrize("fmt", [None, "nf4"])
+def test_stacked_layers_under_scan_vmap_and_remat(fmt):
+    d = _dora((2, 16, 16), None, fmt, stacked=1)
+    assert d.shape == (2, 16, 16) and d.m.shape == (2, 16)
+    x = jax.random.normal(K[6], (4, 16))
+    dense_w = qax.lora.merge({"w": d})["w"]
+
+    def model(x, stack):
+        body = jax.checkpoint(lambda h, w: (jnp.tanh(h @ w), None))
+        return lax.scan(body, x, stack)[0]
+
+    with no_materialization():
+        got = jax.jit(qax.use_implicit_args(model))(x, d)
+        per_layer = jax.jit(qax.use_implicit_args(jax.vmap(lambda w: x @ w)))(d)
+    _close(got, model(x, dense_w))
+    _close(per_layer, jax.vmap(lambda w: x @ w)(dense_w))
+
+
+def _step_eqn_shapes(loss, params) -> list:
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(params)
+    shapes = []
+
+    def walk(j):
+        for e in j.eqns:
+            shapes.extend(tuple(v.aval.shape) for v in e.outvars)
+            for p in e.params.values():
+                for sub in p if isinstance(p, (tuple, list)) else (p,):
+                    sub = getattr(sub, "jaxpr", sub)
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+
+    walk(jaxpr.jaxpr)
+    return shapes
+
+
+@pytest.mark.parametrize("fmt", [None, "nf4"])
+def test_a_train_step_forms_no_more_weight_sized_values_than_lora(fmt):
+    d = _dora((64, 32), None, fmt)
+    lora = qax.lora.LoraWeight(d.w, d.a, d.b, alpha=6.0)
+    x = jax.random.normal(K[6], (8, 64))
+
+    def step_shapes(weight):
+        adapters, base = qax.lora.split({"w": weight})
+
+        def loss(adapters):
+            w = qax.lora.combine(adapters, base)["w"]
+            return jnp.sum(qax.use_implicit_args(lambda x, w: x @ w)(x, w) ** 2)
+
+        with no_materialization():
+            return _step_eqn_shapes(loss, adapters)
+
+    weight_sized = {(64, 32), (32, 64)}
+    dora = sum(s in weight_sized for s in step_shapes(d))
+    lora = sum(s in weight_sized for s in step_shapes(lora))
+    assert dora <= lora, (dora, lora)
+
+
+def test_split_combine_merge_and_training_the_magnitude():
+    d = _dora((16, 8), None, "int8")
+    params = {"w": d, "bias": jnp.zeros(8)}
+    adapters, base = qax.lora.split(params)
+    assert isinstance(adapters["w"], qax.lora.DoraAdapter) and adapters["bias"] is None
+    assert isinstance(base["w"], qax.lora.DoraBase)
+    back = qax.lora.combine(adapters, base)
+    _close(back["w"].materialize(), d.materialize())
+    assert qax.lora.trainable_count(params) == d.a.size + d.b.size + d.m.size
+    np.testing.assert_allclose(qax.lora.merge(params)["w"], d.materialize(), rtol=1e-6)
+
+    x = jax.random.normal(K[6], (4, 16))
+    opt = optax.adam(1e-2)
+
+    @jax.jit
+    def step(adapters, state):
+        def loss(adapters):
+            p = qax.lora.combine(adapters, base)
+            out = qax.use_implicit_args(lambda p, x: x @ p["w"] + p["bias"])(p, x)
+            return jnp.mean((out - 1.0) ** 2)
+
+        value, grads = jax.value_and_grad(loss)(adapters)
+        updates, state = opt.update(grads, state, adapters)
+        return optax.apply_updates(adapters, updates), state, value
+
+    state = opt.init(adapters)
+    with no_materialization():
+        first = step(adapters, state)[2]
+        for _ in range(5):
+            adapters, state, value = step(adapters, state)
+    assert value < first
+    moved = jnp.abs(adapters["w"].m - d.m).max()
+    assert moved > 1e-3  # the magnitude trains
+
+
+def test_to_dora_starts_where_lora_is():
+    w = jax.random.normal(K[0], (16, 8))
+    lora = qax.lora.loraify({"w": w}, 4, key=K[1], alpha=8.0, filter=lambda p, x: True)
+    dora = qax.lora.to_dora(lora)
+    x = jax.random.normal(K[6], (3, 16))
+    f = qax.use_implicit_args(lambda x, p: x @ p["w"])
+    _close(f(x, dora), f(x, lora))  # b = 0: both are the base model
+    with pytest.raises(ValueError, match="shape of the output axes"):
+        qax.lora.DoraWeight(w, lora["w"].a, lora["w"].b, m=jnp.ones(16))
