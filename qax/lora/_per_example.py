@@ -79,7 +79,11 @@ def _select(x: LoraBank, ids: jax.Array) -> tuple[Any, Any, Any]:
     scale = jnp.asarray(x.scales())[safe]
     scale = jnp.where(ids < 0, 0.0, scale)
     scale = jnp.where(ids >= n, jnp.nan, scale)
-    return jnp.take(x.a, safe, axis=0), jnp.take(x.b, safe, axis=0), scale
+    return (
+        jnp.take(x.a, safe, axis=0, mode="clip"),
+        jnp.take(x.b, safe, axis=0, mode="clip"),
+        scale,
+    )
 
 
 def _view(x: LoraBank, a: Any, b: Any, s: Any) -> LoraWeight:
