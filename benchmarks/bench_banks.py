@@ -571,16 +571,25 @@ def main(argv: list[str] | None = None) -> None:
         help=f"where to write the results (default: {RESULTS.relative_to(RESULTS.parents[2])} "
         "for a full run, nowhere for --quick; '' for nowhere)",
     )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="layers of the model (default 3; 1 is the plain-JAX reference setup of "
+        "one d x d layer)",
+    )
     args = parser.parse_args(argv)
     warnings.simplefilter("error", qax.MaterializationWarning)
     cfg = QUICK if args.quick else Config()
+    if args.layers is not None:
+        cfg = dataclasses.replace(cfg, layers=args.layers)
     reps = Reps(3, 5, 3) if args.quick else Reps(prefill=20, decode=40, train=12)
     path = args.json
     if path is None:
         path = "" if args.quick else str(RESULTS)
     command = "PYTHONPATH=. python benchmarks/bench_banks.py" + (
         " --quick" if args.quick else ""
-    )
+    ) + (f" --layers {args.layers}" if args.layers is not None else "")
 
     print(
         f"JAX {jax.__version__}, Python {platform.python_version()}, "
