@@ -587,9 +587,11 @@ def main(argv: list[str] | None = None) -> None:
     path = args.json
     if path is None:
         path = "" if args.quick else str(RESULTS)
-    command = "PYTHONPATH=. python benchmarks/bench_banks.py" + (
-        " --quick" if args.quick else ""
-    ) + (f" --layers {args.layers}" if args.layers is not None else "")
+    command = (
+        "PYTHONPATH=. python benchmarks/bench_banks.py"
+        + (" --quick" if args.quick else "")
+        + (f" --layers {args.layers}" if args.layers is not None else "")
+    )
 
     print(
         f"JAX {jax.__version__}, Python {platform.python_version()}, "
