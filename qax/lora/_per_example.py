@@ -62,8 +62,11 @@ def _check_ids(adapter_ids: Any, n: int) -> jax.Array:
             raise ValueError(_BAD_IDS.format(got=type(adapter_ids).__name__)) from None
     if jnp.ndim(ids) != 1 or not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(_BAD_IDS.format(got=f"{ids.dtype}{list(jnp.shape(ids))}"))
-    if not isinstance(ids, jax.core.Tracer):
+    try:
         values = np.asarray(ids)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        values = None  # traced ids: checked where they are used (NaN, see `_select`)
+    if values is not None:
         bad = values[(values < -1) | (values >= n)]
         if bad.size:
             raise ValueError(_IDS_RANGE.format(id=int(bad[0]), n=n, top=n - 1))
