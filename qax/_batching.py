@@ -33,7 +33,14 @@ from . import _errors
 from ._base import NB, STACKED, ImplicitBase, is_implicit
 from ._compat import register_vmappable
 from ._entry import densify, materialize_nested
-from ._fields import batchable, children_of, fields_of, rebuild, shape_only
+from ._fields import (
+    batchable,
+    children_of,
+    fields_of,
+    rebuild,
+    shape_only,
+    with_batch_shape,
+)
 from ._report import quietly
 
 
@@ -272,13 +279,9 @@ def _fit_shape_only_parts(obj: ImplicitBase, parts: list, batch: tuple) -> None:
     d = obj.__dict__
     names = fields_of(type(obj)).children
     for k, rank in parts:
-        child = d[names[k]]
-        shape = tuple(child.shape)
-        if rank > len(shape):
-            continue
-        new = (*batch, *shape[len(shape) - rank :])
-        if new != shape:
-            d[names[k]] = rebuild(child, {}, new, 0)
+        fitted = with_batch_shape(d[names[k]], rank, batch)
+        if fitted is not None:
+            d[names[k]] = fitted
 
 
 def _example_shape(obj: ImplicitBase, shape: Any) -> Any:

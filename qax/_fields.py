@@ -342,22 +342,21 @@ def fit_shape_only(children: list, ndims: tuple) -> tuple[list, Any]:
     out = []
     for child, ndim in zip(children, ndims):
         if shape_only(child) and child.shape is not None:
-            example = _one_example_shape(child, ndim)
-            if example is None:
+            child = with_batch_shape(child, ndim, found)
+            if child is None:
                 return children, None
-            new = (*found, *example)
-            if new != tuple(child.shape):
-                child = rebuild(child, {}, new, 0)
         out.append(child)
     return out, found
 
 
-def _one_example_shape(x: ImplicitBase, ndim: Any) -> tuple | None:
-    """The shape of one example of shape-only `x`, whose examples have `ndim` axes."""
+def with_batch_shape(x: ImplicitBase, ndim: Any, batch: tuple) -> Any:
+    """Shape-only `x`, whose examples have `ndim` axes, with the batch shape `batch`
+    before them (`x` itself if it has it), or None if it has fewer axes."""
     shape = tuple(x.shape)
     if not isinstance(ndim, int) or len(shape) < ndim:
         return None
-    return shape[len(shape) - ndim :]
+    new = (*batch, *shape[len(shape) - ndim :])
+    return x if new == shape else rebuild(x, {}, new, 0)
 
 
 def check_batch(x: ImplicitBase) -> int:

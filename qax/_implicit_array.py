@@ -134,9 +134,13 @@ def _enter_built(value: ImplicitBase) -> Any:
     original Qax's types were) stays the plain pytree it was there: `jax.vmap` then
     maps its leaves, as it does without `use_implicit_args`.
     """
-    if is_eval_trace(current_trace()) or not implicit_args_active():
-        return value  # outside `use_implicit_args`: nothing to enter or to trace
-    if not fields_of(type(value)).declared and not _fits_its_shape(value):
+    if is_eval_trace(current_trace()):
+        return value
+    if not fields_of(type(value)).declared and (
+        # (the shape probe traces `materialize()`: only where there is a trace to
+        # enter; `enter_current_trace` finds that out itself for the others)
+        not implicit_args_active() or not _fits_its_shape(value)
+    ):
         return value
     wrapped = enter_current_trace((value,))
     if wrapped is None:

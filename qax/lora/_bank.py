@@ -302,7 +302,7 @@ def bank(base: Any, adapters: Sequence[Any] | Mapping[Any, Any]) -> Any:
     leaves = []
     for j, (path, w) in enumerate(base_paths):
         found = [column[j] for column in columns]
-        if all(x is None or not isinstance(x, LoraAdapter) for x in found):
+        if all(x is None for x in found):
             leaves.append(w)
             continue
         leaves.append(_bank_one(qax.utils.path_string(path), w, found))

@@ -22,6 +22,7 @@ This module uses qax's public API only.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -157,17 +158,28 @@ def _direction_norm2(
     """``‖w + s·a⊗b‖²`` over the input axes ``in_axes`` of one weight (``nb`` stack
     axes lead every array), without forming ``a⊗b`` or ``w + a⊗b``: ``aᵀw`` is a
     product with the base (its own handler when it is quantized)."""
-    n_a = len(in_axes)
     stack = tuple(range(nb))
-    contract_a = tuple(range(nb, nb + n_a))
+    contract_a = tuple(range(nb, nb + len(in_axes)))
     contract_w = tuple(nb + i for i in in_axes)
     dtype = jnp.result_type(w.dtype, a.dtype, b.dtype)
     cross = lax.dot_general(
         a.astype(dtype), w, ((contract_a, contract_w), (stack, stack))
     )  # (*stack, rank, *B)
+    return _norm2_from_cross(w_norm2, a, b, s, cross, nb)
+
+
+def _norm2_from_cross(
+    w_norm2: Any, a: Any, b: Any, s: float, cross: Any, nb: int
+) -> jax.Array:
+    """``‖w‖² + 2s·Σ_r b⊙(aᵀw) + s²·Σ_r b⊙(aᵀa·b)`` given ``cross = aᵀw`` (``(*stack,
+    rank, *B)``), in at least float32."""
+    dtype = jnp.promote_types(jnp.result_type(a.dtype, b.dtype), jnp.float32)
+    a, b, cross = a.astype(dtype), b.astype(dtype), cross.astype(dtype)
+    stack = tuple(range(nb))
+    contract_a = tuple(range(nb, a.ndim - 1))
     gram = lax.dot_general(a, a, ((contract_a, contract_a), (stack, stack)))
     gb = lax.dot_general(gram, b, (((nb + 1,), (nb,)), (stack, stack)))
-    cross_term = jnp.sum(b * cross.astype(b.dtype), axis=nb)
+    cross_term = jnp.sum(b * cross, axis=nb)
     quad = jnp.sum(b * gb, axis=nb)
     total = w_norm2 + (2 * s) * cross_term + (s * s) * quad
     return total.astype(w_norm2.dtype)
@@ -286,9 +298,7 @@ def _dot_fused(primitive, x, d: DoraWeight, contract, params):
     dtype = jnp.result_type(x.dtype, d.dtype)
     free_x = [i for i in range(x.ndim) if i not in x_c]
     lead = tuple(x.shape[i] for i in free_x)
-    tokens = 1
-    for n in lead:
-        tokens *= n
+    tokens = math.prod(lead)
     x2 = jnp.reshape(
         lax.transpose(x, (*free_x, *x_c)), (tokens, *(x.shape[c] for c in x_c))
     )
@@ -301,14 +311,8 @@ def _dot_fused(primitive, x, d: DoraWeight, contract, params):
     )  # fmt: skip
     free_w = [i for i in range(d.w_ndim) if i not in w_c]  # = b_axes, in order
     main = jnp.reshape(zw[:tokens], (*lead, *(d.w.shape[i] for i in free_w)))
-    cross = lax.stop_gradient(zw[tokens:]).astype(jnp.float32)  # (rank, *B)
-    b = d.b.astype(jnp.float32)
-    a32 = d.a.astype(jnp.float32)
-    n_a = a32.ndim - 1
-    gram = lax.dot_general(a32, a32, ((tuple(range(n_a)), tuple(range(n_a))), ((), ())))
-    quad = jnp.sum(b * lax.dot_general(gram, b, (((1,), (0,)), ((), ()))), axis=0)
-    s = lora.scale
-    norm2 = d.w_norm2 + (2 * s) * jnp.sum(b * cross, axis=0) + (s * s) * quad
+    cross = lax.stop_gradient(zw[tokens:])  # aᵀw: (rank, *B)
+    norm2 = _norm2_from_cross(d.w_norm2, d.a, d.b, lora.scale, cross, 0)
     scale = (d.m / jnp.sqrt(lax.stop_gradient(norm2))).astype(main.dtype)
     delta = _lora_product(x, lora, ((x_c, w_c), ((), ())), True, params)
     out = main + delta.astype(main.dtype)
