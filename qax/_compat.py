@@ -30,6 +30,7 @@ from jax._src.interpreters import mlir as _mlir
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax import parallel as _parallel
 from jax._src.lax.control_flow.common import _merge_common_consts
+from jax._src.lax.lax import ragged_dot_general_p as ragged_dot_general_p
 from jax._src.lib.mlir.dialects import sdy as _sdy
 from jax._src.shard_map import shard_map_p as shard_map_p
 from jax._src.sharding_impls import UNSPECIFIED as UNSPECIFIED
@@ -60,6 +61,10 @@ ensure_no_leaks = _core.ensure_no_leaks
 EvalTrace = _core.EvalTrace
 typeof = jax.typeof
 primitives_module = jex_core.primitives
+# Primitives that neither `jax.lax` nor `primitives_module` names as ``<name>_p``, so
+# that `qax.primitive_handler` finds them by name (``"ragged_dot_general"``: the
+# primitive of `jax.lax.ragged_dot` and `jax.lax.ragged_dot_general`).
+unlisted_primitives = (ragged_dot_general_p,)
 
 trace_to_jaxpr_dynamic = _pe.trace_to_jaxpr_dynamic
 convert_constvars_jaxpr = _pe.convert_constvars_jaxpr

@@ -19,7 +19,7 @@ import plum
 
 from . import _errors
 from ._base import ImplicitBase
-from ._compat import Primitive, primitives_module
+from ._compat import Primitive, primitives_module, unlisted_primitives
 
 ArrayValue = Union[jax.Array, ImplicitBase]  # noqa: UP007 (plum needs a typing.Union)
 """Annotation for "a JAX array or an implicit array" in handler signatures."""
@@ -52,14 +52,17 @@ generation = [0]
 
 @functools.cache
 def _known_primitives() -> dict[str, Primitive]:
-    """The primitives JAX names (`primitives_module` too), by the name of their
-    attribute (``add`` for `add_p`) and by their own name (``remat2`` for `remat_p`)."""
+    """The primitives JAX names (`primitives_module` and `unlisted_primitives` too),
+    by the name of their attribute (``add`` for `add_p`) and by their own name
+    (``remat2`` for `remat_p`, ``ragged_dot_general``)."""
     by_attribute: dict[str, Primitive] = {}
     for namespace in (jax.lax, primitives_module):  # `jax.lax` first
         for attr in dir(namespace):
             value = getattr(namespace, attr, None)
             if attr.endswith("_p") and isinstance(value, Primitive):
                 by_attribute.setdefault(attr[:-2], value)
+    for value in unlisted_primitives:
+        by_attribute.setdefault(value.name, value)
     by_name = {p.name: p for p in by_attribute.values()}
     return {**by_name, **by_attribute}  # an attribute's name wins
 

@@ -115,6 +115,8 @@ def test_no_version_string_checks_outside_compat():
         "separate_consts",
         "api_boundary",
         "shard_map_p",
+        "ragged_dot_general_p",
+        "unlisted_primitives",
         "UNSPECIFIED",
         "ArrayImpl",
         "flatten_ft",

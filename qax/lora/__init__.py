@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import qax
 
-from . import _stacks  # noqa: F401 (registers more handlers)
+from . import _ragged, _stacks  # noqa: F401 (registers more handlers)
 from ._bank import (
     BankPadding,
     BankPaddingRow,
@@ -77,6 +77,7 @@ from ._bank import (
 )
 from ._bank_specs import bank_specs
 from ._dora import DoraAdapter, DoraBase, DoraWeight, to_dora
+from ._init import LoftQ, PiSSA
 from ._params import (
     combine,
     default_filter,
@@ -102,9 +103,11 @@ __all__ = [
     "DoraAdapter",
     "DoraBase",
     "DoraWeight",
+    "LoftQ",
     "LoraAdapter",
     "LoraBank",
     "LoraWeight",
+    "PiSSA",
     "Plan",
     "PlanRow",
     "bank",

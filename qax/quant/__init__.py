@@ -87,7 +87,7 @@ from __future__ import annotations
 # and `jax.export` record), so dataclasses reads their `ClassVar` annotations here.
 from typing import ClassVar  # noqa: F401
 
-from . import _handlers, _indexing  # noqa: F401  (register the handlers)
+from . import _handlers, _indexing, _ragged  # noqa: F401  (register the handlers)
 from ._params import FORMATS, dequantize, plan, quantize, quantize_dequantize
 from ._types import (
     NF4_LEVELS,
