@@ -88,6 +88,7 @@ from __future__ import annotations
 from typing import ClassVar  # noqa: F401
 
 from . import _handlers, _indexing, _ragged  # noqa: F401  (register the handlers)
+from ._fp4 import FP4_LEVELS, MXFP4Weight, NVFP4Weight
 from ._params import FORMATS, dequantize, plan, quantize, quantize_dequantize
 from ._types import (
     NF4_LEVELS,
@@ -101,14 +102,21 @@ from ._types import (
 
 __all__ = [
     "FORMATS",
+    "FP4_LEVELS",
+    "MXFP4Weight",
     "NF4_LEVELS",
+    "NVFP4Weight",
     "FP8Weight",
+    "InputStats",
     "Int4Weight",
     "Int8Weight",
     "IntKWeight",
     "NF4Weight",
     "QuantizedWeight",
+    "awq",
+    "calibrate",
     "dequantize",
+    "gptq",
     "plan",
     "quantize_dequantize",
     "quantize",

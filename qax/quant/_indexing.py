@@ -21,7 +21,7 @@ from jax import lax
 
 import qax
 
-from ._types import FP8Weight, Int4Weight, IntKWeight, NF4Weight, QuantizedWeight
+from ._types import Int4Weight, IntKWeight, QuantizedWeight, _PackedFourBits
 
 UNALIGNED_SLICE: Final = (
     "{cls}: {what} of a weight of shape {shape} cuts the blocks along {axis} (axis "
@@ -39,9 +39,7 @@ def _blocks(w: QuantizedWeight) -> tuple[int, int, str] | None:
     the option's name; ``None`` for per-channel scales."""
     if isinstance(w, (Int4Weight, IntKWeight)):
         size, name = w.group_size, "group_size"
-    elif isinstance(w, NF4Weight):
-        size, name = w.block_size, "block_size"
-    elif isinstance(w, FP8Weight) and w.block_size is not None:
+    elif getattr(w, "block_size", None) is not None:  # nf4, block fp8, the FP4s
         size, name = w.block_size, "block_size"
     else:
         return None
@@ -53,7 +51,7 @@ def _decline(w: QuantizedWeight, what: str, dim: int, detail: str) -> Any:
     _, size, name = _blocks(w)
     if isinstance(w, IntKWeight):
         packed = _PACKED.format(bits=w.bits)
-    elif isinstance(w, (Int4Weight, NF4Weight)):
+    elif isinstance(w, _PackedFourBits):
         packed = _PACKED.format(bits=4)
     else:
         packed = ""

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import qax
 from qax.lora import LoraWeight, default_filter
 
+from ._fp4 import MXFP4Weight, NVFP4Weight
 from ._types import (
     FP8Weight,
     Int4Weight,
@@ -37,12 +38,14 @@ _FORMATS: dict[str, tuple[type, dict[str, Any]]] = {
     "fp8_e4m3": (FP8Weight, {"fp8_dtype": jnp.float8_e4m3fn}),
     "fp8_e5m2": (FP8Weight, {"fp8_dtype": jnp.float8_e5m2}),
     **{f"int{k}": (IntKWeight, {"bits": k}) for k in (2, 3, 5, 6, 7)},
+    "mxfp4": (MXFP4Weight, {}),
+    "nvfp4": (NVFP4Weight, {}),
 }
 
 FORMATS: tuple[str, ...] = tuple(_FORMATS)
 """The format names `quantize` and `quantize_dequantize` take: ``"int8"``, ``"int4"``,
 ``"nf4"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"int2"``, ``"int3"``, ``"int5"``,
-``"int6"``, ``"int7"`` (see the module's notes)."""
+``"int6"``, ``"int7"``, ``"mxfp4"``, ``"nvfp4"`` (see the module's notes)."""
 
 _OPTIONS = (
     "axis",
@@ -55,7 +58,9 @@ _OPTIONS = (
 )
 
 
-def _block_size(options: dict) -> int:
+def _block_size(options: dict, cls: type | None = None) -> int:
+    if hasattr(cls, "default_block_size"):  # fixed by the format (mxfp4, nvfp4)
+        return cls.default_block_size
     return options.get("block_size", options.get("group_size", 64))
 
 
@@ -65,7 +70,7 @@ def _skip_size(cls: type, options: dict) -> Any:
         return options.get("block_size")
     if issubclass(cls, IntKWeight):
         return options.get("group_size", 64)
-    return _block_size(options)
+    return _block_size(options, cls)
 
 
 def _stack_ndim(nb: Any, name: str, leaf: Any) -> Any:
@@ -432,6 +437,15 @@ def _show(value: Any) -> str:
 
 
 def _check_options(cls: type, options: dict) -> None:
+    if hasattr(cls, "default_block_size"):
+        for name in ("block_size", "group_size"):
+            if name in options:
+                raise ValueError(
+                    f"quantize: {cls.__name__} has blocks of {cls.default_block_size} "
+                    f"by its specification; {name}={options[name]!r} cannot change "
+                    "that. Leave it out (block_axis= still chooses the axis), or use "
+                    'a format whose block size is free ("nf4", "int4", block fp8).'
+                )
     if issubclass(cls, IntKWeight) and "bits" not in options:
         raise ValueError(
             "quantize: IntKWeight needs bits= (2 to 8), e.g. quantize(params, "
@@ -450,10 +464,12 @@ def _options_for(cls: type, options: dict) -> dict:
     out = {"batch_ndim": options["batch_ndim"]} if "batch_ndim" in options else {}
     if cls in (Int8Weight, FP8Weight) and "axis" in options:
         out["axis"] = options["axis"]
-    if cls is not Int8Weight and ("block_size" in options or "group_size" in options):
+    fixed = hasattr(cls, "default_block_size")  # mxfp4, nvfp4: blocks by the spec
+    sized = "block_size" in options or "group_size" in options
+    if cls is not Int8Weight and sized and not fixed:
         name = "group_size" if cls in (Int4Weight, IntKWeight) else "block_size"
         out[name] = _block_size(options)
-    blocks = cls in (Int4Weight, NF4Weight, IntKWeight) or "block_size" in out
+    blocks = cls in (Int4Weight, NF4Weight, IntKWeight) or fixed or "block_size" in out
     if blocks and "block_axis" in options:
         out["block_axis"] = options["block_axis"]
     return out
