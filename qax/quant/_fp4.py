@@ -87,16 +87,15 @@ def encode_nvfp4(w: jax.Array, batch_ndim: int, axis: int) -> tuple[jax.Array, .
     amax = jnp.max(jnp.abs(w), axis=own, keepdims=True)
     tensor = jnp.where(amax > 0, amax / (_FP4_MAX * _E4M3_MAX), 1).astype(jnp.float32)
 
+    moved = _codes.to_last(w, axis)
+    blocks = _codes.split_blocks(moved, 16)
     t = _codes.to_last(tensor, axis)  # broadcasts against the block absmax
-
-    def encode(blocks: jax.Array, absmax: jax.Array) -> tuple[jax.Array, jax.Array]:
-        ratio = jnp.clip(absmax / _FP4_MAX / t, 0, _E4M3_MAX)
-        scale = ratio.astype(jnp.float8_e4m3fn)
-        dec = scale.astype(jnp.float32) * t
-        safe = jnp.where(dec > 0, dec, 1)
-        return fp4_codes(blocks / safe[..., None]), scale
-
-    packed, scale = _codes.encode_packed(w, 16, encode, axis)
+    absmax = jnp.max(jnp.abs(blocks), axis=-1)
+    scale = jnp.clip(absmax / _FP4_MAX / t, 0, _E4M3_MAX).astype(jnp.float8_e4m3fn)
+    dec = scale.astype(jnp.float32) * t
+    codes = fp4_codes(blocks / jnp.where(dec > 0, dec, 1)[..., None])
+    packed = _codes.from_last(_codes.pack4(codes.reshape(moved.shape)), axis)
+    scale = _codes.from_last(scale, axis)
     return packed, scale, tensor
 
 
