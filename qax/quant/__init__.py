@@ -89,6 +89,7 @@ from typing import ClassVar  # noqa: F401
 
 from . import _handlers, _indexing, _ragged  # noqa: F401  (register the handlers)
 from ._fp4 import FP4_LEVELS, MXFP4Weight, NVFP4Weight
+from ._nf4dq import NF4DQWeight
 from ._params import FORMATS, dequantize, plan, quantize, quantize_dequantize
 from ._types import (
     NF4_LEVELS,
@@ -111,6 +112,7 @@ __all__ = [
     "Int4Weight",
     "Int8Weight",
     "IntKWeight",
+    "NF4DQWeight",
     "NF4Weight",
     "QuantizedWeight",
     "awq",

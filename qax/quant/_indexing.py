@@ -71,6 +71,35 @@ def _decline(w: QuantizedWeight, what: str, dim: int, detail: str) -> Any:
     )
 
 
+def _grouped(w: QuantizedWeight) -> dict[int, tuple[str, int]]:
+    """The axes along which a field has one entry per several numbers (other than the
+    blocks of the block formats: the groups of `NF4DQWeight`'s absmax scales), with
+    that field and the numbers per entry."""
+    blocks = _blocks(w)
+    out = {}
+    for name in w._ARRAYS[1:]:
+        shape = getattr(w, name).shape
+        for d, (n, m) in enumerate(zip(shape, w.shape, strict=True)):
+            per = m // n
+            if n not in (1, m) and (
+                blocks is None or per != blocks[1] or d != blocks[0]
+            ):
+                out[d] = (name, max(per, out.get(d, ("", 0))[1]))
+    return out
+
+
+def _decline_groups(
+    w: QuantizedWeight, what: str, dim: int, detail: str, field: str, per: int
+) -> Any:
+    return qax.decline(
+        f"{type(w).__name__}: {what} of a weight of shape {tuple(w.shape)} cuts the "
+        f"groups of its {field} along axis {dim} ({detail}): each entry of {field} "
+        f"covers {per} numbers along that axis, so the weight is decoded whole. Slice "
+        f"on multiples of {per} along it (stride 1), or quantize to a format without "
+        "such groups (nf4 rather than nf4_dq)."
+    )
+
+
 @qax.primitive_handler("slice")
 def _slice(
     primitive, w: QuantizedWeight, *, start_indices, limit_indices, strides
@@ -89,6 +118,11 @@ def _slice(
                 f":{steps[k]}" if steps[k] != 1 else ""
             )
             return _decline(w, "a slice", k, detail)
+    for d, (field, per) in _grouped(w).items():
+        whole = starts[d] == 0 and limits[d] == w.shape[d] and steps[d] == 1
+        if not (whole or (steps[d] == 1 and starts[d] % per == limits[d] % per == 0)):
+            detail = f"{starts[d]}:{limits[d]}:{steps[d]}"
+            return _decline_groups(w, "a slice", d, detail, field, per)
     fields = {}
     for name in w._ARRAYS:
         leaf = getattr(w, name)
@@ -121,6 +155,10 @@ def _dynamic_slice(
             return _decline(
                 w, "a dynamic slice", k, f"{sizes[k]} numbers from a traced start"
             )
+    for d, (field, per) in _grouped(w).items():
+        if sizes[d] != w.shape[d]:
+            detail = f"{sizes[d]} numbers from a traced start"
+            return _decline_groups(w, "a dynamic slice", d, detail, field, per)
     zero = jnp.zeros((), jnp.int32)
     fields = {}
     for name in w._ARRAYS:
@@ -181,7 +219,8 @@ def _gather(
     indexed = _indexed(dn)
     blocks = _blocks(w)
     k = None if blocks is None else blocks[0]
-    if k is not None and (k in indexed or sizes[k] != w.shape[k]):
+    grouped = [d for d in _grouped(w) if d in indexed or sizes[d] != w.shape[d]]
+    if grouped or (k is not None and (k in indexed or sizes[k] != w.shape[k])):
         # Rows along the blocks' axis share bytes and scales: decoded in the lookup.
         return primitive.bind(
             w.dequantize(), indices, dimension_numbers=dn, slice_sizes=sizes, **params

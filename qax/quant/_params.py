@@ -17,6 +17,7 @@ import qax
 from qax.lora import LoraWeight, default_filter
 
 from ._fp4 import MXFP4Weight, NVFP4Weight
+from ._nf4dq import NF4DQWeight
 from ._types import (
     FP8Weight,
     Int4Weight,
@@ -35,6 +36,7 @@ _FORMATS: dict[str, tuple[type, dict[str, Any]]] = {
     "int8": (Int8Weight, {}),
     "int4": (Int4Weight, {}),
     "nf4": (NF4Weight, {}),
+    "nf4_dq": (NF4DQWeight, {}),
     "fp8_e4m3": (FP8Weight, {"fp8_dtype": jnp.float8_e4m3fn}),
     "fp8_e5m2": (FP8Weight, {"fp8_dtype": jnp.float8_e5m2}),
     **{f"int{k}": (IntKWeight, {"bits": k}) for k in (2, 3, 5, 6, 7)},
@@ -44,8 +46,8 @@ _FORMATS: dict[str, tuple[type, dict[str, Any]]] = {
 
 FORMATS: tuple[str, ...] = tuple(_FORMATS)
 """The format names `quantize` and `quantize_dequantize` take: ``"int8"``, ``"int4"``,
-``"nf4"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"int2"``, ``"int3"``, ``"int5"``,
-``"int6"``, ``"int7"``, ``"mxfp4"``, ``"nvfp4"`` (see the module's notes)."""
+``"nf4"``, ``"nf4_dq"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"int2"``, ``"int3"``,
+``"int5"``, ``"int6"``, ``"int7"``, ``"mxfp4"``, ``"nvfp4"`` (see the module's notes)."""
 
 _OPTIONS = (
     "axis",
@@ -469,7 +471,8 @@ def _options_for(cls: type, options: dict) -> dict:
     if cls is not Int8Weight and sized and not fixed:
         name = "group_size" if cls in (Int4Weight, IntKWeight) else "block_size"
         out[name] = _block_size(options)
-    blocks = cls in (Int4Weight, NF4Weight, IntKWeight) or fixed or "block_size" in out
+    blocks = cls in (Int4Weight, NF4Weight, NF4DQWeight, IntKWeight) or fixed
+    blocks = blocks or "block_size" in out
     if blocks and "block_axis" in options:
         out["block_axis"] = options["block_axis"]
     return out
