@@ -227,6 +227,16 @@ def _all_types_state():
             quant.quantize({"k": w}, "nf4", block_size=64), 4, key=KEY
         )["k"],
         "zero": SymbolicConstant(0.0, shape=(128,), dtype=jnp.float32),
+        "qdora": lora.loraify(
+            quant.quantize({"k": w}, "int8"), 4, key=KEY, dora=True, alpha=8.0
+        )["k"],
+        "bank": lora.bank(
+            {"k": w},
+            [
+                lora.split(_bump_b(lora.loraify({"k": w}, r, key=KEY)))[0]
+                for r in (2, 4)
+            ],
+        )["k"],
     }
     kinds = {type(v).__name__ for v in params.values()}
     tx = qax.freeze_keys(optax.adam(1e-2), lora.LoraWeight, ["w"])
@@ -254,8 +264,11 @@ def test_orbax_every_builtin_type(tmp_path):
         "Int4Weight",
         "NF4Weight",
         "SymbolicConstant",
+        "DoraWeight",
+        "LoraBank",
     }
     assert isinstance(state["params"]["qlora"].w, quant.NF4Weight)
+    assert isinstance(state["params"]["qdora"].w, quant.Int8Weight)
     ckpt = ocp.StandardCheckpointer()
     ckpt.save(
         tmp_path / "c", state, custom_metadata={"qax": qax.checkpoint.describe(state)}

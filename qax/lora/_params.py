@@ -17,7 +17,8 @@ import numpy as np
 import qax
 
 from ._bank import LoraBank
-from ._dora import DoraAdapter, DoraBase, DoraWeight
+from ._dora import DoraAdapter, DoraBase, DoraWeight, to_dora
+from ._init import check_init, initialised
 from ._select import (
     Plan,
     PlanRow,
@@ -129,6 +130,8 @@ def loraify(
     batch_ndim: int | Callable[[str, Any], int] = 0,
     rules: Any = None,
     strict_rules: bool = False,
+    init: Any = "gaussian",
+    dora: bool = False,
 ) -> Any:
     """Turn chosen weights of any params pytree into `LoraWeight`s.
 
@@ -186,9 +189,8 @@ def loraify(
       rules: per-path settings, like qwix's rules: an ordered list of ``(pattern,
         settings)``. The first pattern (a regular expression) that matches all of a
         weight's path decides for it: ``settings`` is a dict overriding this call's
-        ``rank``, ``alpha``, ``split_at``, ``a_axes``, ``freeze_w``, ``dtype`` and
-        ``batch_ndim``
-        for that weight, which is then chosen whatever ``filter`` says (but biases
+        ``rank``, ``alpha``, ``split_at``, ``a_axes``, ``freeze_w``, ``dtype``,
+        ``batch_ndim``, ``init`` and ``dora`` for that weight, which is then chosen whatever ``filter`` says (but biases
         and normalisation parameters, as `default_filter` and `biases` find them,
         are never adapted by a rule, and a weight with too few axes for the rule's
         ``batch_ndim`` is left alone); or ``None``, to leave it alone. Weights that no
@@ -197,9 +199,17 @@ def loraify(
         paths; or only paths an earlier rule decides) gives a warning that names it
         and the closest paths (`check_rules`).
       strict_rules: raise instead of warning about a rule that decides no weight.
+      init: how the factors start: ``"gaussian"`` (PEFT's: the model unchanged), or
+        from the dense weight, `PiSSA` (the principal components in the factors, the
+        residual in the base, dense or quantized: QPiSSA) or `LoftQ` (a quantized base
+        and factors that cancel its error); see `qax.lora.PiSSA`. A rule's settings may
+        name another ``init`` for its weights.
+      dora: make `DoraWeight`s (DoRA: a trainable magnitude per output unit, see
+        `to_dora`) instead of `LoraWeight`s; a rule may set it per weight.
 
     Returns:
-      ``params`` with the chosen weights replaced by `LoraWeight`s.
+      ``params`` with the chosen weights replaced by `LoraWeight`s (`DoraWeight`s
+      where ``dora``).
 
     Raises:
       ValueError: ``rank`` is not positive, ``split_at`` leaves a factor no axis,
@@ -215,6 +225,8 @@ def loraify(
         "freeze_w": freeze_w,
         "dtype": dtype,
         "batch_ndim": batch_ndim,
+        "init": check_init(init),
+        "dora": bool(dora),
     }
     lookup = qax.utils.path_rules(rules, tuple(defaults), "loraify")
     _check_rank(rank)
@@ -230,7 +242,9 @@ def loraify(
         settings, _, stacked = decide(name, leaf)
         if settings is None:
             return leaf
-        return _adapted(name, leaf, key, settings, stacked)
+        # factors made here, beside a weight placed on a mesh (a global array of a
+        # multi-controller run): placed as the weight's spec asks
+        return qax.sharding.conform(_adapted(name, leaf, key, settings, stacked))
 
     out = qax.utils.tree_map_with_path_with_implicit(convert, params)
     check_rules(rules, seen, "loraify", strict=strict_rules, stacklevel=2)
@@ -316,6 +330,8 @@ def plan(
         "freeze_w": True,
         "dtype": None,
         "batch_ndim": batch_ndim,
+        "init": "gaussian",
+        "dora": False,
     }
     lookup = qax.utils.path_rules(rules, tuple(defaults), "loraify")
     _check_rank(rank)
@@ -365,17 +381,23 @@ def _adapted(
         return leaf
     lead, shape, a_axes, b_axes = layout
     factor_dtype = s["dtype"] or leaf.dtype
-    k = jax.random.fold_in(key, zlib.crc32(name.encode()) % (2**31))
-    a_shape = tuple(shape[i] for i in a_axes)
-    a = jax.random.normal(k, (*lead, *a_shape, rank), jnp.float32)
-    a = (a / np.sqrt(math.prod(a_shape))).astype(factor_dtype)
-    b = jnp.zeros((*lead, rank, *(shape[i] for i in b_axes)), factor_dtype)
+    init = check_init(s.get("init", "gaussian"))
+    if init == "gaussian":
+        k = jax.random.fold_in(key, zlib.crc32(name.encode()) % (2**31))
+        a_shape = tuple(shape[i] for i in a_axes)
+        a = jax.random.normal(k, (*lead, *a_shape, rank), jnp.float32)
+        a = (a / np.sqrt(math.prod(a_shape))).astype(factor_dtype)
+        b = jnp.zeros((*lead, rank, *(shape[i] for i in b_axes)), factor_dtype)
+    else:
+        scale = 1.0 if s["alpha"] is None else float(s["alpha"]) / rank
+        leaf, a, b = initialised(name, leaf, init, rank, scale, layout, factor_dtype)
     try:
-        return LoraWeight(
+        out = LoraWeight(
             leaf, a, b, alpha=s["alpha"], freeze_w=s["freeze_w"], a_axes=a_axes
         )
     except ValueError as error:  # name the weight
         raise ValueError(f"loraify, the weight at {name!r}: {error}") from None
+    return to_dora(out) if s.get("dora") else out
 
 
 def _layout(name: str, leaf: Any, s: dict, stacked: bool) -> tuple | None:
