@@ -126,8 +126,9 @@ def quantize(
 
     Args:
       params: any pytree (Flax linen dict, NNX state, Equinox module, ...).
-      fmt: a name in `FORMATS` (``"int8"``, ``"int4"``, ``"nf4"``, ``"fp8_e4m3"``,
-        ``"fp8_e5m2"``, ``"int2"``, ``"int3"``, ``"int5"``, ``"int6"``, ``"int7"``), or
+      fmt: a name in `FORMATS` (``"int8"``, ``"int4"``, ``"nf4"``, ``"nf4_dq"``,
+        ``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"int2"``, ``"int3"``, ``"int5"``, ``"int6"``,
+        ``"int7"``, ``"mxfp4"``, ``"nvfp4"``), or
         one of the classes (`IntKWeight` with ``bits=``: any of 2 to 8 bits,
         group-wise).
       filter: ``filter(path, leaf) -> bool`` (``path`` as in `qax.lora.loraify`).
