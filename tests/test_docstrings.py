@@ -256,6 +256,7 @@ def _bank_names(names: dict, tmp_path) -> dict:
 MODULE_NAMES = {
     "qax.lora._bank": _bank_names,
     "qax.lora._per_example": _bank_names,
+    "qax.lora._params": _bank_names,
     "qax._optax": _optax_names,
     "qax.checkpoint": _checkpoint_names,
     "qax.nnx": _flax_names,

@@ -1,4 +1,5 @@
-"""`loraify(init=...)`: PiSSA, QPiSSA and LoftQ factors, and `loraify(dora=True)`.
+"""Adapters and quantized bases: `loraify(init=...)` (PiSSA, QPiSSA, LoftQ),
+`loraify(dora=True)`, and `merge` into a quantized model with its `MergeReport`.
 
 The oracle for the initialisers is the weight itself: PiSSA's dense residual plus its
 factors is the weight; its factors are the truncated SVD; QPiSSA and LoftQ must bring
@@ -176,3 +177,84 @@ def test_initialisers_say_what_is_wrong():
         lora.loraify(
             {"w": w}, 4, key=KEY, filter=ALL, init=lora.PiSSA("nf4", {"block_size": 48})
         )
+
+
+# ---------------------------------------------------------------------------------------
+# Merging into a quantized model, with the report
+
+
+def _qlora_mlp(fmt="nf4", dora=False):
+    k = jax.random.split(KEY, 3)
+    dense = {
+        "up": {"w": jax.random.normal(k[0], (32, 64)) / 6},
+        "down": {"w": jax.random.normal(k[1], (64, 32)) / 8},
+    }
+    base = quant.quantize(dense, fmt, filter=ALL, block_size=32)
+    params = lora.loraify(base, 4, key=k[2], alpha=8.0, dora=dora)
+
+    def bump(x):  # a "trained" adapter: nonzero b
+        if isinstance(x, (lora.LoraWeight, lora.DoraWeight)):
+            return type(x)(x.w, x.a, x.b + 0.2, **_rest(x))
+        return x
+
+    leaf = lambda x: isinstance(x, (lora.LoraWeight, lora.DoraWeight))  # noqa: E731
+    params = jax.tree_util.tree_map(bump, params, is_leaf=leaf)
+    x = jax.random.normal(jax.random.key(9), (16, 32))
+
+    def model(p):
+        return jnp.tanh(x @ p["up"]["w"]) @ p["down"]["w"]
+
+    return params, model
+
+
+def _rest(x):
+    if isinstance(x, lora.DoraWeight):
+        return {"m": x.m, "w_norm2": x.w_norm2, "alpha": x.alpha, "a_axes": x.a_axes}
+    return {"alpha": x.alpha, "freeze_w": x.freeze_w, "a_axes": x.a_axes}
+
+
+def _rms(x, y):
+    return float(jnp.sqrt(jnp.mean((x - y) ** 2)))
+
+
+def test_merge_into_the_base_format_reports_what_it_costs():
+    params, model = _qlora_mlp("nf4")
+    merged, report = lora.merge(params, "base", check=model)
+    for name in ("up", "down"):
+        w = merged[name]["w"]
+        assert isinstance(w, quant.NF4Weight) and w.block_size == 32
+    want = qax.use_implicit_args(model)(params)
+    got = qax.use_implicit_args(model)(merged)
+    assert report.merged == pytest.approx(_rms(got, want), rel=1e-5)
+    base_only = {k: {"w": v["w"].w} for k, v in params.items()}
+    effect = _rms(qax.use_implicit_args(model)(base_only), want)
+    assert report.adapter == pytest.approx(effect, rel=1e-5)
+    assert report.dense < 1e-5 < report.merged < report.adapter
+    assert "of what the adapters change" in str(report)
+    # A finer format loses less of the fine-tune than re-rounding to nf4.
+    finer, finer_report = lora.merge(params, "int8", check=model)
+    assert isinstance(finer["up"]["w"], quant.Int8Weight)
+    assert finer_report.merged < report.merged
+    # Without quantize, check gives the dense merge's report.
+    dense, dense_report = lora.merge(params, check=model)
+    assert not isinstance(dense["up"]["w"], qax.ImplicitArray)
+    assert dense_report.merged == dense_report.dense < 1e-5
+
+
+def test_merge_thresholds_and_errors():
+    params, model = _qlora_mlp("nf4", dora=True)
+    merged, report = lora.merge(params, "base", check=model, max_error=10.0)
+    assert isinstance(merged["up"]["w"], quant.NF4Weight)  # DoRA merges too
+    with pytest.raises(lora.MergeQualityError, match="max_fraction=0.001") as info:
+        lora.merge(params, "base", check=model, max_fraction=0.001)
+    assert info.value.report.fraction > 0.001
+    with pytest.raises(lora.MergeQualityError, match="keep the adapters unmerged"):
+        lora.merge(params, "base", check=model, max_error=1e-9)
+    with pytest.raises(ValueError, match="needs check="):
+        lora.merge(params, "base")
+    with pytest.raises(ValueError, match="need check= to measure"):
+        lora.merge(params, max_error=0.1)
+    adapters, base = lora.split(_qlora_mlp("nf4")[0])
+    served = lora.bank(base, [adapters, adapters])
+    with pytest.raises(ValueError, match="qax.lora.unbank"):
+        lora.merge(served, "base", check=model)

@@ -78,6 +78,7 @@ from ._bank import (
 from ._bank_specs import bank_specs
 from ._dora import DoraAdapter, DoraBase, DoraWeight, to_dora
 from ._init import LoftQ, PiSSA
+from ._merge import MergeQualityError, MergeReport
 from ._params import (
     combine,
     default_filter,
@@ -107,6 +108,8 @@ __all__ = [
     "LoraAdapter",
     "LoraBank",
     "LoraWeight",
+    "MergeQualityError",
+    "MergeReport",
     "PiSSA",
     "Plan",
     "PlanRow",

@@ -19,6 +19,7 @@ import qax
 from ._bank import LoraBank
 from ._dora import DoraAdapter, DoraBase, DoraWeight, to_dora
 from ._init import check_init, initialised
+from ._merge import merged_weight, report
 from ._select import (
     Plan,
     PlanRow,
@@ -450,31 +451,84 @@ def _factor_axes(
     return tuple(range(p)), tuple(range(p, k))
 
 
-def merge(params: Any) -> Any:
-    """Dense parameters for serving: every `LoraWeight` becomes ``w + s·a⊗b``.
+def merge(
+    params: Any,
+    quantize: Any = None,
+    *,
+    check: Callable[[Any], Any] | None = None,
+    max_error: float | None = None,
+    max_fraction: float | None = None,
+    **options: Any,
+) -> Any:
+    """Parameters for serving: every adapted weight becomes ``w + s·a⊗b``.
 
-    A quantized base weight is dequantized (the merged weight is dense). A `LoraBank`
-    becomes the stack of its adapters' merged weights (what it stands for).
+    By default the merged weights are dense (a quantized base is dequantized); a
+    `LoraBank` becomes the stack of its adapters' merged weights (what it stands for),
+    a `DoraWeight` its ``m·V/‖V‖``. With ``quantize``, the merged weights are stored
+    quantized again: ``"base"`` (each in its base's format and layout, a dense base
+    staying dense; `qax.quant.requantize`) or a format of `qax.quant.FORMATS` (with
+    its ``options``). Rounding ``w + s·a⊗b`` again can undo part of a fine-tune, so a
+    quantized merge needs ``check``, a function of the parameters that runs the model
+    on a batch (any pytree of arrays out): `merge` then returns the merged parameters
+    *and* a `MergeReport` that says how far the merged model's output is from the
+    unmerged one's, beside what the adapters change and what a dense merge changes.
+    ``check`` runs four times (unmerged, merged, dense-merged, base alone), under
+    `qax.use_implicit_args`.
 
     Examples:
         >>> dense = qax.lora.merge(params)  # runs without use_implicit_args
+        >>> qlora = qax.lora.loraify(qax.quant.quantize(params, "nf4"), 8, key=key)
+        >>> served, report = qax.lora.merge(
+        ...     qlora, "base", check=lambda p: model.apply(p, x), max_error=0.5)
+        >>> print(report)  # doctest: +SKIP
+        merge into base: output RMS difference from the unmerged model 0.0213 ...
 
     Args:
-      params: parameters holding `LoraWeight`s.
+      params: parameters holding `LoraWeight`s (`DoraWeight`s, `LoraBank`s).
+      quantize: ``None`` (dense), ``"base"`` or a format name or class.
+      check: ``check(params) -> outputs``; required with ``quantize``, optional
+        without (then a report on the dense merge is returned too).
+      max_error: raise `MergeQualityError` when the merged output's RMS difference
+        from the unmerged one is larger.
+      max_fraction: raise `MergeQualityError` when that difference is more than this
+        fraction of what the adapters change (`MergeReport.fraction`).
+      **options: the format's options (``block_size``...) for a named ``quantize``.
 
     Returns:
-      The same tree with plain arrays in place of the `LoraWeight`s.
+      The merged tree; with ``check``, ``(merged, report)``.
+
+    Raises:
+      ValueError: ``quantize`` without ``check``; a `LoraBank` with ``quantize``
+        (`unbank` the adapter to serve first); thresholds without ``check``.
+      MergeQualityError: the report exceeds ``max_error`` or ``max_fraction``.
     """
+    if quantize is not None and check is None:
+        raise ValueError(
+            f"merge(quantize={quantize!r}) needs check=: a function of the parameters "
+            "that runs the model on a batch (e.g. lambda p: model.apply(p, batch)). "
+            "Quantizing w + s·a⊗b again can undo part of the fine-tune; the report "
+            "says how much."
+        )
+    if check is None and (max_error is not None or max_fraction is not None):
+        raise ValueError("merge: max_error and max_fraction need check= to measure.")
 
     def is_leaf(x: Any) -> bool:
         return isinstance(x, (LoraWeight, LoraBank, DoraWeight))
 
-    def one(x: Any) -> Any:
-        if not is_leaf(x):
-            return x
-        return qax.materialize_nested(x, full=True)
+    def one(x: Any, quantize: Any) -> Any:
+        return merged_weight(x, quantize, options) if is_leaf(x) else x
 
-    return jax.tree_util.tree_map(one, params, is_leaf=is_leaf)
+    merged = jax.tree_util.tree_map(lambda x: one(x, quantize), params, is_leaf=is_leaf)
+    if check is None:
+        return merged
+    dense = (
+        merged
+        if quantize is None
+        else jax.tree_util.tree_map(lambda x: one(x, None), params, is_leaf=is_leaf)
+    )
+    return merged, report(
+        params, merged, dense, check, quantize, max_error, max_fraction
+    )
 
 
 def split(params: Any) -> tuple[Any, Any]:
