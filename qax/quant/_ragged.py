@@ -5,7 +5,8 @@ A mixture-of-experts layer multiplies tokens sorted by expert by a stacked weigh
 ``ragged_dot_general``). A `qax.quant` weight stacked along the expert axis
 (``quantize(..., batch_ndim=1)``: codes and scales per expert) is handled there: a
 per-channel one (int8, per-channel fp8) multiplies its codes directly, each token's
-row then scaled by its own expert's scales (no float copy of the experts); the block
+row scaled by its own expert's scales (after the product, or before it for scales
+along the contracted axis: no float copy of the experts); the block
 formats (nf4, int4, int2...int7, block-wise fp8) decode inside the product, as their
 `dot_general` does. Either way the weight stays stored as codes; nothing is left to
 qax's fallback (so ``qax.materialization_policy(..., "error")`` passes).
@@ -25,10 +26,17 @@ from ._handlers import _per_channel
 from ._types import QuantizedWeight
 
 
+def _row_groups(w, group_sizes, rows):
+    """Each row's expert (rows past the groups are zero in the product)."""
+    return jnp.repeat(jnp.arange(w.shape[0]), group_sizes, total_repeat_length=rows)
+
+
 def _grouped_codes(primitive, x, w, group_sizes, rdn, params) -> jax.Array | None:
     """The product on the codes of a per-channel stack of experts, each row scaled by
-    its group's scales; ``None`` where that does not apply (scales along a contracted
-    axis, batch axes, an offset into the groups, a non-floating product)."""
+    its expert's scales: after the product for scales along free axes of the weight,
+    before it (on the row of ``x``) for scales along contracted axes. ``None`` where
+    that does not apply (scales along both, batch axes, an offset into the groups, a
+    non-floating product)."""
     (xc, wc), (xb, _) = rdn.dot_dimension_numbers
     batch = len(w.shape) - (w.weight_ndim or 0)
     if (
@@ -39,12 +47,23 @@ def _grouped_codes(primitive, x, w, group_sizes, rdn, params) -> jax.Array | Non
         or len(rdn.lhs_ragged_dimensions) != 1
         or tuple(rdn.rhs_group_dimensions) != (0,)
         or not jnp.issubdtype(x.dtype, jnp.floating)
-        or any(w.scale.shape[a] != 1 for a in wc)
     ):
         return None
     dtype = params.get("preferred_element_type") or jnp.result_type(x.dtype, w.dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
         return None
+    free = [a for a in range(1, w.ndim) if a not in wc]
+    on_contracted = any(w.scale.shape[a] != 1 for a in wc)
+    if on_contracted and any(w.scale.shape[a] != 1 for a in free):
+        return None
+    ragged = rdn.lhs_ragged_dimensions[0]
+    group = _row_groups(w, group_sizes, x.shape[ragged])
+    if on_contracted:
+        # x's row times its expert's scales along the contracted axes (in x's order).
+        scale = lax.transpose(w.scale, (0, *wc, *free))
+        scale = scale.reshape(scale.shape[: 1 + len(wc)])  # (experts, *contracted)
+        per_row = jnp.take(scale, group, axis=0).astype(x.dtype)
+        x = x * lax.broadcast_in_dim(per_row, x.shape, (ragged, *xc))
     codes = lax.stop_gradient(w.q)  # fixed, as in `dequantize`
     out = primitive.bind(
         x,
@@ -53,15 +72,11 @@ def _grouped_codes(primitive, x, w, group_sizes, rdn, params) -> jax.Array | Non
         ragged_dot_dimension_numbers=rdn,
         **{**params, "preferred_element_type": dtype},
     )
+    if on_contracted:
+        return out
     # The output's axes: x's free axes (the grouped one among them), then w's.
-    free = [a for a in range(1, w.ndim) if a not in wc]
     scale = lax.transpose(w.scale, (0, *free, *wc))
     scale = scale.reshape(scale.shape[: 1 + len(free)])  # (experts, *free)
-    ragged = rdn.lhs_ragged_dimensions[0]
-    rows = x.shape[ragged]
-    group = jnp.repeat(
-        jnp.arange(w.shape[0]), group_sizes, total_repeat_length=rows
-    )  # each row's expert (rows past the groups are zero in `out`)
     per_row = jnp.take(scale, group, axis=0).astype(out.dtype)
     x_free = [a for a in range(x.ndim) if a not in xc]
     at = x_free.index(ragged)
