@@ -170,6 +170,15 @@ This {cls} holds traced values (it is used inside `jax.jit`, `jax.grad`, ...), s
 cannot become a NumPy array. Use it inside a function wrapped with \
 `qax.use_implicit_args`, or call `x.materialize()` for the dense JAX array."""
 
+SPANS_PROCESSES: Final = """\
+This {cls} has leaves that span devices of other processes (a multi-controller \
+run: this process holds only its own shards), so {how} cannot give its value here. \
+Gather it first, leaf by leaf (codes stay codes): \
+`jax.experimental.multihost_utils.process_allgather(x, tiled=True)` returns the {cls} \
+with NumPy leaves on every process; or read this process's part of each leaf with \
+`leaf.addressable_shards` (`jax.tree.leaves(x)`); or keep it global with \
+`x.materialize()` (a global dense array, computed by every process)."""
+
 HALF_BUILT: Final = """\
 {fields} {verb} None: an implicit array with missing fields (as `eqx.partition` \
 leaves them) reached `qax.use_implicit_args`. Pass the complete value, e.g. \

@@ -46,6 +46,14 @@ def _has_traced_leaves(x: ImplicitBase) -> bool:
     return any(isinstance(leaf, Tracer) for leaf in jax.tree_util.tree_leaves(x))
 
 
+def _spans_processes(x: ImplicitBase) -> bool:
+    """Whether a leaf of `x` is a global array with shards in other processes."""
+    return any(
+        isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
+        for leaf in jax.tree_util.tree_leaves(x)
+    )
+
+
 def _densify(x: ImplicitBase, how: str) -> Any:
     """`x` materialized all the way down, reported as a conversion by `how`."""
     return densify(x, how, _errors.CONVERTED.format(cls=type(x).__name__, how=how))
@@ -58,9 +66,15 @@ def to_numpy(
 
     Raises:
       TypeError: `x` holds traced values (inside `jit`/`grad`), which NumPy cannot hold.
+      RuntimeError: a leaf of `x` spans other processes' devices (multi-controller);
+        the message names the process-local alternatives.
     """
     if _has_traced_leaves(x):
         raise TypeError(_errors.TRACED_TO_NUMPY.format(cls=type(x).__name__))
+    if _spans_processes(x):
+        raise RuntimeError(
+            _errors.SPANS_PROCESSES.format(cls=type(x).__name__, how="np.asarray")
+        )
     out = np.asarray(_densify(x, "np.asarray"))
     if dtype is not None:
         out = out.astype(dtype, copy=False)

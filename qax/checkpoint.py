@@ -14,6 +14,13 @@ Examples:
     >>> raw = ckpt.restore(path)  # no template
     >>> state = qax.checkpoint.rebuild(raw, ckpt.metadata(path).custom_metadata["qax"])
 
+Across processes (JAX's multi-controller runtime, each process holding its own shards
+of global arrays), every process calls ``save`` with the same tree and the same
+``describe`` metadata, and ``restore`` with the same template: its shardings decide the
+mesh, so a checkpoint saved by 2 processes restores into 1, or the other way round.
+orbax refuses a restore *without* a template across process counts ("Topology
+mismatch"); `describe` and `rebuild` serve restores on the topology that saved.
+
 `describe` is JSON: class names (as registered for `jax.export`) and static metadata.
 The adapters of `qax.lora.split` (`qax.lora.LoraAdapter`, a dataclass pytree registered
 with `register_dataclass`) are described and rebuilt the same way.

@@ -28,6 +28,15 @@ decodes them, so FSDP gathers int8 / uint8 codes, not the floats they decode to.
 `shard_map`, `jax.lax.all_gather` of an implicit array gathers the leaves that run along
 the gathered dimension (as stored) and keeps the others.
 
+Across processes (JAX's multi-controller runtime: one process per host,
+``jax.distributed.initialize``, a mesh over every host's devices) the same shardings
+describe global arrays of which each process holds its own shards. `from_process_local`
+builds such implicit arrays from each process's part of their leaves, `conform` places
+the leaves that a process made alone (the LoRA factors `qax.lora.loraify` adds to a
+global weight) as the type declares for the weight's spec, and `dense_spec` reads the
+dense array's spec back from placed leaves. See the multi-host section of the
+sharding guide for the launch recipe.
+
 Examples:
     On 8 devices, with `params` holding implicit arrays, `specs` the dense weights'
     `PartitionSpec`s and a `train_step` of your own (not run by the docstring test,
@@ -50,11 +59,20 @@ from typing import Any, Final
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ._base import ImplicitBase
+from ._base import NB, ImplicitBase
+from ._compat import Tracer
+from ._fields import fields_of
 from ._partition import Undeclared, expand_spec, field_dims, is_spec_leaf
 from ._tree_util import path_string
 
-__all__ = ["field_dims", "implicit_shardings", "implicit_specs"]
+__all__ = [
+    "conform",
+    "dense_spec",
+    "field_dims",
+    "from_process_local",
+    "implicit_shardings",
+    "implicit_specs",
+]
 
 _EXPLICIT = "; or pass an explicit sharding for each leaf."
 
@@ -210,3 +228,169 @@ def _fit_to_mesh(
         tree,
         is_leaf=lambda y: isinstance(y, ImplicitBase) or is_spec_leaf(y),
     )
+
+
+def _dense_entries(x: Any) -> tuple[Any, list | None]:
+    """``(mesh, entries)``: the mesh and spec entries (one per dimension) of the dense
+    array `x` stands for, read from its leaves placed with a `NamedSharding`; an entry
+    no leaf says anything about is ``None``. ``(None, None)`` when no leaf is placed so."""
+    if not isinstance(x, ImplicitBase):
+        sharding = getattr(x, "sharding", None)
+        if isinstance(x, Tracer) or not isinstance(sharding, NamedSharding):
+            return None, None
+        spec = list(sharding.spec)
+        return sharding.mesh, spec + [None] * (len(x.shape) - len(spec))
+    shape = tuple(x.shape)
+    nb = x.__dict__.get(NB) or 0
+    entries: list = [None] * len(shape)
+    mesh = None
+    dims = field_dims(x)
+    for name in fields_of(type(x)).children:
+        follows = dims.get(name)
+        if follows is None:
+            continue
+        child_mesh, child = _dense_entries(x.__dict__[name])
+        if child is None or len(child) != nb + len(follows):
+            continue
+        mesh = mesh or child_mesh
+        targets = [*range(nb), *(None if d is None else nb + d for d in follows)]
+        for target, entry in zip(targets, child, strict=True):
+            if target is not None and entries[target] is None:
+                entries[target] = entry
+    return mesh, (entries if mesh is not None else None)
+
+
+def dense_spec(x: Any) -> PartitionSpec | None:
+    """The `PartitionSpec` of the dense array that `x` stands for, read from its leaves.
+
+    The inverse of `implicit_specs` for one array: each leaf placed with a
+    `NamedSharding` says how the dimensions of the dense array it runs along are split
+    (as its type declares, see `field_dims`). A plain array gives its own spec.
+
+    Examples:
+        >>> qax.sharding.dense_spec(1.0) is None  # nothing placed on a mesh
+        True
+
+    Args:
+      x: an implicit array (nested too) or an array.
+
+    Returns:
+      The spec (``None`` for dimensions no placed leaf splits), or ``None`` when no
+      leaf of `x` has a `NamedSharding` (or `x` is traced).
+    """
+    _, entries = _dense_entries(x)
+    return None if entries is None else PartitionSpec(*entries)
+
+
+def conform(tree: Any) -> Any:
+    """Place every leaf of each implicit array in `tree` as its placed leaves ask.
+
+    An implicit array built from a weight that is already placed on a mesh (a global
+    array of a multi-controller run, each process holding its own shards) and from
+    values one process made alone (LoRA factors from a PRNG key, scales from a host
+    array: on one device, or NumPy) gets those values placed with the shardings its type
+    declares for the weight's spec (`dense_spec`, then `implicit_shardings` on that
+    mesh). Leaves already placed on a mesh stay where they are; implicit arrays with no
+    such leaf, traced ones and plain arrays are returned as they are. Every process
+    must hold the same values for what it made alone (the same key, the same data), as
+    for `jax.device_put` of host data onto a global sharding.
+
+    `qax.lora.loraify` does this for the factors it adds.
+
+    Examples:
+        With ``w`` a global array placed on a mesh, ``a`` and ``b`` made in each
+        process from the same key (not run by the docstring test, one device):
+
+        ```python
+        lora = qax.sharding.conform(qax.lora.LoraWeight(w, a, b))
+        lora.a.sharding  # NamedSharding(mesh, spec of w's rows)
+        ```
+
+    Args:
+      tree: a pytree that may hold implicit arrays.
+
+    Returns:
+      `tree` with those leaves placed.
+    """
+
+    def one(x: Any) -> Any:
+        if not isinstance(x, ImplicitBase):
+            return x
+        leaves, treedef = jax.tree_util.tree_flatten(x)
+        if any(isinstance(leaf, Tracer) for leaf in leaves):
+            return x
+        placed = [
+            isinstance(getattr(v, "sharding", None), NamedSharding) for v in leaves
+        ]
+        if all(placed) or not any(placed):
+            return x
+        mesh, entries = _dense_entries(x)
+        if entries is None:
+            return x
+        shardings = jax.tree_util.tree_leaves(
+            implicit_shardings(x, PartitionSpec(*entries), mesh)
+        )
+        out = [
+            v if done else jax.device_put(v, s)
+            for v, done, s in zip(leaves, placed, shardings, strict=True)
+        ]
+        return treedef.unflatten(out)
+
+    return jax.tree_util.tree_map(
+        one, tree, is_leaf=lambda y: isinstance(y, ImplicitBase)
+    )
+
+
+def from_process_local(like: Any, local: Any, shardings: Any) -> Any:
+    """Global implicit arrays from each process's part of their leaves.
+
+    In a multi-controller run, each process loads (or computes) only the rows of the
+    codes, scales and factors that its devices hold; this puts them together into
+    global arrays (`jax.make_array_from_process_local_data`, leaf by leaf), with the
+    types, static metadata and shapes of `like`. Nothing is gathered: each process
+    passes only its own part.
+
+    Examples:
+        Each of two processes holding half the rows of an int8 weight (not run by the
+        docstring test, one process):
+
+        ```python
+        like = jax.eval_shape(lambda: qax.quant.Int8Weight.from_array(w_global_shape))
+        shardings = qax.sharding.implicit_shardings(like, P("data"), mesh)
+        local = {"q": q_rows, "scale": scale}  # this process's part of each leaf
+        weight = qax.sharding.from_process_local(like, local, shardings)
+        ```
+
+    Args:
+      like: a pytree holding implicit arrays of the global shapes (its leaves give the
+        global shapes only: ``jax.ShapeDtypeStruct``s from `jax.eval_shape`, or
+        arrays).
+      local: this process's part of each leaf of `like`, in the order of
+        ``jax.tree.leaves(like)`` (any pytree with those leaves in that order: a tree
+        like `like`, a list, a dict of a type's fields in field order), as NumPy or
+        JAX arrays; a leaf replicated over the processes is passed whole.
+      shardings: `NamedSharding`s for the leaves of `like` (a tree like `like`, as
+        `implicit_shardings` returns).
+
+    Returns:
+      `like` with global arrays as leaves.
+
+    Raises:
+      ValueError: `local` or `shardings` has another number of leaves than `like`.
+    """
+    target, treedef = jax.tree_util.tree_flatten(like)
+    parts = jax.tree_util.tree_leaves(local)
+    placements = jax.tree_util.tree_leaves(
+        shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding)
+    )
+    if not len(target) == len(parts) == len(placements):
+        raise ValueError(
+            f"qax.sharding.from_process_local: `like` has {len(target)} leaves, "
+            f"`local` {len(parts)} and `shardings` {len(placements)}; pass one part "
+            "and one sharding per leaf of `like`, in the order of jax.tree.leaves(like)."
+        )
+    out = [
+        jax.make_array_from_process_local_data(s, part, tuple(t.shape))
+        for t, part, s in zip(target, parts, placements, strict=True)
+    ]
+    return treedef.unflatten(out)

@@ -6,6 +6,7 @@ This module uses qax's public API only.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -172,7 +173,13 @@ class QuantizedWeight(qax.ImplicitArray):
     @property
     def nbytes(self) -> int:
         """Bytes of the codes and scales."""
-        return sum(int(np.asarray(x).nbytes) for x in jax.tree_util.tree_leaves(self))
+        # from shapes and dtypes: a leaf split over processes has no local value
+        leaves = jax.tree_util.tree_leaves(self)
+        return sum(
+            math.prod(np.shape(x))
+            * np.dtype(x.dtype if hasattr(x, "dtype") else np.result_type(x)).itemsize
+            for x in leaves
+        )
 
 
 class Int8Weight(QuantizedWeight):
