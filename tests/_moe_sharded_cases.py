@@ -34,12 +34,11 @@ SPECS = {
         "experts": {k: EXPERT for k in ("w_gate", "w_up", "w_down")},
     }
 }
-RULES = [(".*/experts/.*", {"batch_ndim": 2}), (".*/router/.*", None)]
 
 
 def _params(kind):
     params = init_moe(jax.random.PRNGKey(0), CFG)
-    lora = qax.lora.loraify(params, 2, key=jax.random.PRNGKey(1), rules=RULES)
+    lora = qax.lora.loraify(params, 2, key=jax.random.PRNGKey(1), batch_ndim=1)
     rng = np.random.default_rng(5)
 
     def nonzero_b(w):  # so that the gradients of `a` are not zero
@@ -51,9 +50,7 @@ def _params(kind):
     is_lora = lambda v: isinstance(v, qax.lora.LoraWeight)  # noqa: E731
     lora = jax.tree.map(nonzero_b, lora, is_leaf=is_lora)
     if kind == "nf4":
-        lora = qax.quant.quantize(
-            lora, "nf4", block_size=16, rules=[(".*/router/.*", None)]
-        )
+        lora = qax.quant.quantize(lora, "nf4", block_size=16)
     return lora
 
 

@@ -188,13 +188,13 @@ def test_unstacked_lora_in_ragged_dot_is_refused_by_the_policy():
 
 CFG = MoEConfig(d_model=16, d_ff=32, n_experts=4, top_k=2, n_layers=2)
 EXPERT_SHAPES = {(4, 16, 32), (4, 32, 16), (2, 4, 16, 32), (2, 4, 32, 16)}
-# Experts stacked per layer (batch axes: layer, expert); the router stays dense.
-RULES = [(".*/experts/.*", {"batch_ndim": 2}), (".*/router/.*", None)]
 
 
 def _model(kind):
+    # By path and shape: the experts get one more batch axis than the layers'
+    # (factors, codes and scales per layer and expert); the router stays dense.
     params = init_moe(jax.random.PRNGKey(0), CFG)
-    lora = qax.lora.loraify(params, R, key=jax.random.PRNGKey(1), rules=RULES)
+    lora = qax.lora.loraify(params, R, key=jax.random.PRNGKey(1), batch_ndim=1)
     adapters, base = qax.lora.split(lora)
     # Non-zero b, so that the gradients of a are not zero.
     adapters = jax.tree.map(
@@ -204,9 +204,7 @@ def _model(kind):
     )
     if kind != "lora":
         opts = {"block_size": 16} if kind == "nf4" else {}
-        base = qax.quant.quantize(
-            base, kind, batch_ndim=2, rules=[(".*/router/.*", None)], **opts
-        )
+        base = qax.quant.quantize(base, kind, batch_ndim=1, **opts)
     return adapters, base
 
 
@@ -346,3 +344,53 @@ def test_expert_parallel_training_on_eight_devices():
     report = proc.stdout + proc.stderr
     assert proc.returncode == 0, report
     assert " passed" in report and "skipped" not in report.split("\n")[-2], report
+
+
+# ----------------------------------------------------------------------------------------
+# Finding the experts and the router by path and shape
+
+
+@pytest.mark.parametrize("scanned", [True, False], ids=["layers", "one_layer"])
+def test_loraify_and_quantize_find_experts_and_keep_the_router_dense(scanned):
+    params = init_moe(jax.random.PRNGKey(0), CFG)
+    nb = 1 if scanned else 0
+    if not scanned:
+        params = jax.tree.map(lambda v: v[0], params)
+    # Per-path rules choose the rank and the format per expert weight.
+    lora = qax.lora.loraify(
+        params, R, key=jax.random.PRNGKey(1), batch_ndim=nb,
+        rules=[(".*/w_down", {"rank": 4})],
+    )  # fmt: skip
+    qlora = qax.quant.quantize(
+        lora, "nf4", block_size=16, rules=[(".*/w_down", {"format": "int8"})]
+    )
+    layer = qlora["layers"]
+    assert not isinstance(layer["router"]["kernel"], qax.ImplicitArray)
+    assert not isinstance(layer["norm"]["scale"], qax.ImplicitArray)
+    for name, rank, fmt in (
+        ("w_gate", R, qax.quant.NF4Weight),
+        ("w_up", R, qax.quant.NF4Weight),
+        ("w_down", 4, qax.quant.Int8Weight),
+    ):
+        w = layer["experts"][name]
+        assert isinstance(w, LoraWeight) and w.rank == rank
+        assert w.a.ndim - w.a_ndim == nb + 1  # (layers,) experts
+        assert isinstance(w.w, fmt) and w.w.weight_ndim == 2
+    plain = qax.quant.quantize(params, "int8", batch_ndim=nb)
+    assert plain["layers"]["experts"]["w_up"].weight_ndim == 2
+    assert not isinstance(plain["layers"]["router"]["kernel"], qax.ImplicitArray)
+
+
+@pytest.mark.parametrize(
+    ("path", "router"),
+    [
+        ("model/layers_0/block_sparse_moe/gate/kernel", True),  # Mixtral
+        ("MoeBlock_0/gate/kernel", True),
+        ("moe/router/w", True),
+        ("mlp/gate/kernel", False),  # a gated MLP's projection, not a router
+        ("mlp/gate_proj/kernel", False),
+    ],
+)
+def test_router_by_path(path, router):
+    leaf = jnp.ones((8, 4))
+    assert qax.lora.default_filter(path, leaf) is not router

@@ -77,6 +77,7 @@ from ._bank import (
 )
 from ._bank_specs import bank_specs
 from ._dora import DoraAdapter, DoraBase, DoraWeight, to_dora
+from ._experts import expert_axes
 from ._init import LoftQ, PiSSA
 from ._merge import MergeQualityError, MergeReport
 from ._params import (
@@ -121,6 +122,7 @@ __all__ = [
     "combine",
     "contracted_axes",
     "default_filter",
+    "expert_axes",
     "loraify",
     "merge",
     "path_string",

@@ -18,6 +18,7 @@ import qax
 
 from ._bank import LoraBank
 from ._dora import DoraAdapter, DoraBase, DoraWeight, to_dora
+from ._experts import expert_axes, is_router
 from ._init import check_init, initialised
 from ._merge import merged_weight, report
 from ._select import (
@@ -62,7 +63,9 @@ def default_filter(path: str, leaf: Any) -> bool:
     ``embed`` or is ``wte``/``wpe`` (embedding tables such as ``embedding``,
     ``Embed_0``, GPT-2's token and position tables, a ViT's ``(1, n, d)``
     ``pos_embedding``; a convolution kernel of 4 or more axes, such as a ViT's
-    ``patch_embedding/kernel`` ``(p, p, c, d)``, is a weight).
+    ``patch_embedding/kernel`` ``(p, p, c, d)``, is a weight), or when it is a
+    mixture-of-experts router (a component contains ``router``, or is ``gate`` under
+    a component containing ``expert`` or a ``moe`` word: ``block_sparse_moe/gate``).
 
     On a whole tree, `loraify`, `qax.quant.quantize` and `qax.qat.fake_quantize` also
     leave out the biases that `biases` finds from the tree's structure (Haiku's and
@@ -99,6 +102,8 @@ def _left_out(path: str, leaf: Any) -> str | None:
         return "not floating point"
     if len(leaf.shape) <= 3 and any(_EMBEDDING.search(part) for part in parts):
         return "embedding"
+    if is_router(path):
+        return "router"
     return None
 
 
@@ -186,7 +191,10 @@ def loraify(
         ``(L, rank, *B)``, and `lax.scan` over the stack slices the `LoraWeight`
         without forming it. A chosen weight with fewer than ``batch_ndim + 2`` axes
         (the 2-D head beside a stack of layers, under ``batch_ndim=1`` for the whole
-        model) is adapted as one unstacked weight.
+        model) is adapted as one unstacked weight. A stack of experts (a path
+        component containing ``expert`` or a ``moe`` word, at least ``batch_ndim + 3``
+        axes: ``experts/w_up`` ``(E, d, f)``) gets its expert axis as one more batch
+        axis: one pair of factors per expert.
       rules: per-path settings, like qwix's rules: an ordered list of ``(pattern,
         settings)``. The first pattern (a regular expression) that matches all of a
         weight's path decides for it: ``settings`` is a dict overriding this call's
@@ -406,6 +414,7 @@ def _layout(name: str, leaf: Any, s: dict, stacked: bool) -> tuple | None:
     (the stack's axes, one weight's shape, the axes of ``a`` and ``b``), or ``None``
     where it leaves `leaf` alone."""
     nb = s["batch_ndim"](name, leaf) if callable(s["batch_ndim"]) else s["batch_ndim"]
+    nb += expert_axes(name, leaf, nb)  # a stack of experts: one more batch axis
     if len(leaf.shape) - nb < 2:
         if stacked:
             return None  # a stack of vectors, by the rule: nothing to adapt

@@ -82,7 +82,7 @@ def _stack_ndim(nb: Any, name: str, leaf: Any) -> Any:
     nb = nb(name, leaf) if callable(nb) else nb
     if isinstance(nb, int) and nb > 0 and len(leaf.shape) - nb < 2:
         return 0
-    return nb
+    return nb + qax.lora.expert_axes(name, leaf, nb)  # experts: codes per expert
 
 
 def _misfit(cls: type, leaf: Any, options: dict, name: str) -> str | None:
@@ -162,7 +162,10 @@ def quantize(
         ``batch_ndim`` (stacked layers; an int or a function of ``(path, leaf)``). A
         weight with fewer than ``batch_ndim + 2`` axes (the 2-D head beside a stack of
         layers, under ``batch_ndim=1`` for the whole model) is quantized as one
-        unstacked weight.
+        unstacked weight. A stack of experts (as `qax.lora.loraify` finds them: a
+        path component containing ``expert`` or a ``moe`` word, at least
+        ``batch_ndim + 3`` axes) gets its expert axis as one more batch axis (codes
+        and scales per expert); the router stays dense by default.
 
     Returns:
       ``params`` with quantized weights. The base weight of a `qax.lora.LoraWeight`
