@@ -41,6 +41,7 @@ NOT_CACHES = {
     ("qax._rules.sharding", "_SINGLE"): "a constant",
     ("qax._rules.sharding", "_MULTI"): "a constant",
     ("qax.quant._params", "_FORMATS"): "the registered formats",
+    ("qax.quant._calibrate", "_SINKS"): "the calibrations running now",
     ("qax.symbols", "_LOSSLESS"): "a constant",
     ("qax.symbols", "_FOLDED_UNARY"): "a constant",
     ("qax.symbols", "_MOVING"): "a constant",

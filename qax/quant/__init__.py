@@ -98,6 +98,8 @@ from __future__ import annotations
 from typing import ClassVar  # noqa: F401
 
 from . import _handlers, _indexing, _ragged  # noqa: F401  (register the handlers)
+from ._calibrate import InputStats, calibrate
+from ._gptq_awq import awq, gptq
 from ._like import format_options, requantize
 from ._fp4 import FP4_LEVELS, MXFP4Weight, NVFP4Weight
 from ._nf4dq import NF4DQWeight
@@ -119,14 +121,18 @@ __all__ = [
     "NF4_LEVELS",
     "NVFP4Weight",
     "FP8Weight",
+    "InputStats",
     "Int4Weight",
     "Int8Weight",
     "IntKWeight",
     "NF4DQWeight",
     "NF4Weight",
     "QuantizedWeight",
+    "awq",
+    "calibrate",
     "dequantize",
     "format_options",
+    "gptq",
     "plan",
     "quantize_dequantize",
     "requantize",
