@@ -24,6 +24,9 @@ weight; embeddings and layer norms stay dense (`qax.lora.default_filter`).
 5. The `qax.lora` train step against LoRA written by hand into the model
    (``x @ w + (x @ a) @ b``, the same factors): jitted step time, `make_jaxpr` time,
    compiled FLOPs, and the jaxpr checked for any weight-sized sum (``W + BA``).
+6. With ``--calibrated``: GPTQ and AWQ (`qax.quant.gptq` / `awq`) on a trained
+   transformer, beside round to nearest and qwix's GPTQ/AWQ given the same weights and
+   statistics (`bench_calibrate.py`, which also runs alone).
 
 Run from the repository root:
 
@@ -534,6 +537,10 @@ def main(argv: list[str] | None = None) -> None:
         "--layout", choices=("both", "loop", "scan"), default="both",
         help="layers as a Python loop, stacked under lax.scan, or both (default)",
     )  # fmt: skip
+    parser.add_argument(
+        "--calibrated", action="store_true",
+        help="also GPTQ/AWQ on a trained model beside qwix's (bench_calibrate.py)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     warnings.simplefilter("error", qax.MaterializationWarning)
     cfg = Config(n_layers=2, seq=32, batch=4) if args.quick else Config()
@@ -633,6 +640,11 @@ def main(argv: list[str] | None = None) -> None:
         print(markdown_table(["measurement", "hand LoRA", "qax.lora", "ratio"], rows))
         for note in notes:
             print(f"\nnote: {note}")
+    if args.calibrated:
+        import bench_calibrate
+
+        print("\n### GPTQ and AWQ beside round to nearest and qwix (trained model)")
+        bench_calibrate.main(["--quick"] if args.quick else [])
 
 
 if __name__ == "__main__":
