@@ -54,6 +54,38 @@ def _ragged_labelled(primitive, x, xl, y, yl, group_sizes, contract, batch, para
     return out, labels + [k for k in yl if k not in used]
 
 
+def _base_product(primitive, x, w, group_sizes, rdn, params):
+    """The grouped product with the (frozen) experts.
+
+    A dense frozen base goes through a `jax.custom_jvp` product whose tangent is the
+    tangent of ``x`` times ``w``: the same derivative as ``ragged_dot(x,
+    stop_gradient(w))``, but the backward pass reads ``w`` itself. Under `lax.scan`
+    over stacked layers, ``stop_gradient(w)`` would be a new value per layer that the
+    forward pass keeps for the backward one (a copy of every layer's experts); ``w``
+    is the scanned input, which JAX passes on without a copy.
+    """
+    base = w.base()
+    if not w.freeze_w or isinstance(w.w, qax.ImplicitArray):
+        return primitive.bind(
+            x, base, group_sizes, ragged_dot_dimension_numbers=rdn, **params
+        )
+
+    def bind(x, w, group_sizes):
+        return primitive.bind(
+            x, w, group_sizes, ragged_dot_dimension_numbers=rdn, **params
+        )
+
+    product = jax.custom_jvp(bind)
+
+    @product.defjvp
+    def _product_jvp(primals, tangents):
+        x, w, group_sizes = primals
+        return bind(x, w, group_sizes), bind(tangents[0], w, group_sizes)
+
+    weight = w.w if w.w.dtype == w.dtype else w.w.astype(w.dtype)
+    return product(x, weight, group_sizes)
+
+
 @qax.primitive_handler("ragged_dot_general")
 def _ragged_x_lora(
     primitive,
@@ -76,9 +108,7 @@ def _ragged_x_lora(
         or rdn.lhs_ragged_dimensions[0] in (*xc, *xb)
     ):
         return NotImplemented  # not a grouped product over the expert stack
-    main = primitive.bind(
-        x, w.base(), group_sizes, ragged_dot_dimension_numbers=rdn, **params
-    )
+    main = _base_product(primitive, x, w, group_sizes, rdn, params)
     # Label the axes: x's by position ("ragged" for the grouped one), w's contracted
     # and batch axes by x's labels, its free axes by ("w", i), the stack by _GROUP.
     ragged = rdn.lhs_ragged_dimensions[0]
