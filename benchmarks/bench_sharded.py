@@ -33,6 +33,13 @@ Run from the repository root (the script sets the 8-device flag itself):
 
     PYTHONPATH=. python benchmarks/bench_sharded.py            # full run
     PYTHONPATH=. python benchmarks/bench_sharded.py --quick    # smoke run
+    PYTHONPATH=. python benchmarks/bench_sharded.py --quick --processes 2
+
+``--processes 2`` runs the qax step on the same 2 x 4 mesh as two processes of 4 CPU
+devices (JAX's multi-controller runtime, gloo collectives on localhost; ``"data"``
+runs across the processes) beside the one-process run, and prints one row per kind
+and layout: the collectives' count and bytes in each (equal: the same program) and
+the step time of each.
 
 The tests (`tests/_sharded_training_cases.py`) import the model code from here.
 """
@@ -42,8 +49,13 @@ from __future__ import annotations
 import os
 
 if __name__ == "__main__":  # before JAX starts
+    import sys as _sys
+
+    # one process of a 2-process run (`--processes 2`) holds 4 of the 8 devices
+    _local = 4 if "--process-id" in " ".join(_sys.argv) else 8
     os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+        os.environ.get("XLA_FLAGS", "")
+        + f" --xla_force_host_platform_device_count={_local}"
     ).strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -442,19 +454,133 @@ def _types(by_type: dict[str, int]) -> str:
 # Benchmark
 
 
+def _config(quick: bool) -> tuple[Config, int]:
+    if quick:
+        # (d_model 256: four blocks of 64 per row, so that columns split four ways)
+        return Config(n_layers=1, d_model=256, d_ff=256, seq=16, batch=8, rank=RANK), 3
+    return Config(batch=8, rank=RANK), 7
+
+
+def _qax_facts(cfg: Config, reps: int) -> dict:
+    """``{"kind/layout": [collective count, bytes, median step seconds]}`` of the qax
+    step on the 2 x 4 mesh of this run (one process or several)."""
+    mesh, tokens = make_mesh(), make_tokens(cfg)
+    out = {}
+    for layout in LAYOUTS:
+        for kind in KINDS:
+            setup = build(cfg, implicit_params(cfg, kind), layout, mesh, tokens)["qax"]
+            placed = setup.placed()
+            compiled = setup.jitted().lower(*placed).compile()
+            comm = collectives(compiled.as_text()).values()
+            times = interleaved(
+                {"qax": lambda c=compiled, a=placed: jax.block_until_ready(c(*a))},
+                reps,
+                warmup=2,
+            )
+            out[f"{kind}/{layout}"] = [
+                sum(c for c, _ in comm),
+                sum(b for _, b in comm),
+                median(times["qax"]),
+            ]
+    return out
+
+
+def _process_main(args) -> None:
+    """One process of a ``--processes 2`` run: its facts as JSON (process 0)."""
+    import json
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{args.port}",
+        num_processes=2,
+        process_id=args.process_id,
+    )
+    facts = _qax_facts(*_config(args.quick))
+    if jax.process_index() == 0:
+        print("FACTS " + json.dumps(facts))
+
+
+def _two_process_rows(args) -> list[list[str]]:
+    """Launch this script as 2 processes x 4 devices; rows beside this process's."""
+    import json
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, os.path.abspath(__file__), f"--port={port}"]
+    command += ["--quick"] if args.quick else []
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [
+        subprocess.Popen(
+            [*command, f"--process-id={i}"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=1800)[0] for p in procs]
+    line = next(x for x in outs[0].splitlines() if x.startswith("FACTS "))
+    two = json.loads(line[len("FACTS ") :])
+    one = _qax_facts(*_config(args.quick))
+    rows = []
+    for key, (count, nbytes, seconds) in one.items():
+        count2, nbytes2, seconds2 = two[key]
+        kind, layout = key.split("/")
+        rows.append(
+            [
+                kind,
+                layout,
+                f"{count} / {count2}",
+                f"{nbytes:,} / {nbytes2:,}",
+                "yes" if (count, nbytes) == (count2, nbytes2) else "**no**",
+                fmt_seconds(seconds),
+                fmt_seconds(seconds2),
+            ]
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small model, few reps")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        choices=(1, 2),
+        help="2: also the qax step as 2 processes x 4 devices",
+    )
+    parser.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.process_id is not None:
+        return _process_main(args)
+    if args.processes == 2:
+        rows = _two_process_rows(args)
+        print("### qax step: 1 process x 8 devices / 2 processes x 4 devices\n")
+        print(
+            markdown_table(
+                [
+                    "kind",
+                    "layout",
+                    "collectives (1 / 2 processes)",
+                    "bytes (1 / 2)",
+                    "equal",
+                    "step, 1 process",
+                    "step, 2 processes",
+                ],
+                rows,
+            )
+        )
+        return None
     warnings.simplefilter("error", qax.MaterializationWarning)
     if jax.device_count() < 8:
         raise SystemExit("needs 8 devices: run as a script (it sets XLA_FLAGS itself)")
-    if args.quick:
-        # (d_model 256: four blocks of 64 per row, so that columns split four ways)
-        cfg = Config(n_layers=1, d_model=256, d_ff=256, seq=16, batch=8, rank=RANK)
-        reps = 3
-    else:
-        cfg, reps = Config(batch=8, rank=RANK), 7
+    cfg, reps = _config(args.quick)
     mesh = make_mesh()
     tokens = make_tokens(cfg)
     print(

@@ -291,7 +291,8 @@ def conform(tree: Any) -> Any:
     array: on one device, or NumPy) gets those values placed with the shardings its type
     declares for the weight's spec (`dense_spec`, then `implicit_shardings` on that
     mesh). Leaves already placed on a mesh stay where they are; implicit arrays with no
-    such leaf, traced ones and plain arrays are returned as they are. Every process
+    such leaf, traced ones, those with a field that declares nothing the spec needs
+    (see `qax.array_field`) and plain arrays are returned as they are. Every process
     must hold the same values for what it made alone (the same key, the same data), as
     for `jax.device_put` of host data onto a global sharding.
 
@@ -327,9 +328,12 @@ def conform(tree: Any) -> Any:
         mesh, entries = _dense_entries(x)
         if entries is None:
             return x
-        shardings = jax.tree_util.tree_leaves(
-            implicit_shardings(x, PartitionSpec(*entries), mesh)
-        )
+        try:
+            shardings = jax.tree_util.tree_leaves(
+                implicit_shardings(x, PartitionSpec(*entries), mesh)
+            )
+        except ValueError:  # a field that declares nothing: left as it was made
+            return x
         out = [
             v if done else jax.device_put(v, s)
             for v, done, s in zip(leaves, placed, shardings, strict=True)
