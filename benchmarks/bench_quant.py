@@ -6,7 +6,9 @@ weight; embeddings and layer norms stay dense (`qax.lora.default_filter`).
 
 1. Parameter bytes: f32, int8 (per-channel scales), fp8 (e4m3, e5m2; per-channel
    scales), the k-bit integers int7 ... int2 and int4 (group 64, f32 scales), NF4
-   (block 64).
+   (block 64), NF4 with double quantization (``nf4_dq``: 8-bit block scales, one float
+   per 256), and the FP4 formats NVFP4 (block 16: e4m3 scales and one f32 per weight)
+   and MXFP4 (block 32: e8m0 scales).
 2. Quantization error (RMS and max) of every format on normally distributed weights,
    with bytes and bits per number (scales included).
 3. The same weights (the N(0, 1) matrix and the benchmark GPT's matmul weights)
@@ -87,7 +89,9 @@ def fmt_bytes(n: float) -> str:
 # The formats in table order (every name of `qax.quant.FORMATS`; any name missing here
 # is appended, so that no format is left out of the tables).
 ORDER = ("int8", "fp8_e4m3", "fp8_e5m2", "int7", "int6", "int5", "int4", "nf4")
-ORDER += ("int3", "int2")
+ORDER += ("nf4_dq", "nvfp4", "mxfp4", "int3", "int2")
+# The block sizes of the formats whose specification fixes them (not an option).
+FIXED_BLOCK = {"mxfp4": 32, "nvfp4": 16}
 
 
 def formats() -> list[str]:
@@ -98,6 +102,8 @@ def formats() -> list[str]:
 def default_block(fmt: str) -> int | None:
     """The scale layout of ``quantize(params, fmt)`` with default options: ``None``
     (int8, fp8: one scale per output channel) or the block / group size."""
+    if fmt in FIXED_BLOCK:
+        return FIXED_BLOCK[fmt]
     return None if fmt in ("int8", "fp8_e4m3", "fp8_e5m2") else 64
 
 
@@ -121,6 +127,8 @@ def qwix_qtype(fmt: str) -> Any:
         "int8": jnp.int8,
         "int4": jnp.int4,
         "nf4": "nf4",
+        "mxfp4": "mxfp4",  # qwix: scale 2**ceil(log2(absmax / 6)), no clipping
+        "nvfp4": "nvfp4",  # qwix: e4m3 scales (stored in the weight's dtype)
         "fp8_e4m3": jnp.float8_e4m3fn,
         "fp8_e5m2": jnp.float8_e5m2,
         **{f"int{k}": f"int{k}" for k in (2, 3, 5, 6, 7)},
@@ -257,8 +265,8 @@ def error_cases() -> list[tuple[str, int | None, Callable[[jax.Array], Any]]]:
     cases = []
     for fmt in formats():
         block = default_block(fmt)
-        key = "block_size" if fmt == "nf4" or fmt.startswith("fp8") else "group_size"
-        options = {} if block is None else {key: block}
+        key = "block_size" if fmt.startswith(("nf4", "fp8")) else "group_size"
+        options = {} if block is None or fmt in FIXED_BLOCK else {key: block}
 
         def make(w, fmt=fmt, options=options):
             (q,) = jax.tree_util.tree_leaves(

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.no_leak_check
 CANDIDATES = ["int8", "int4", "nf4", "fp8_e4m3", "fp8_e5m2"] + [
     f"int{k}" for k in range(2, 8) if k != 4
 ]
+CANDIDATES += ["nf4_dq", "mxfp4", "nvfp4"]
 
 
 def _accepted(fmt):

@@ -95,17 +95,23 @@ def _groups(
 ) -> tuple[int, ...]:
     """The size of one channel or block of the format's scales along each axis.
 
-    Read from the quantized weight's floating-point fields that have the weight's
-    rank but not its shape (its scales): each axis of length ``n`` with ``s`` scales
-    along it has blocks of ``n // s``. A rank-0 scale is one block.
+    Read from the quantized weight's fields after its codes (the first) that have the
+    weight's rank but not its shape (its scales, floating-point or coded: NF4 with
+    double quantization's 8-bit absmax, MXFP4's e8m0 exponents): each axis of length
+    ``n`` with ``s`` scales along it has blocks of ``n // s``. A rank-0 scale is one
+    block. Where there are several (NVFP4's block scales and its scale per weight,
+    double quantization's absmax and their group scales), the finest are the blocks.
     """
     cls, leaves = _probe(fmt, options, shape, dtype, batch_ndim)
     scales = {
         tuple(leaf.shape)
-        for leaf in leaves
-        if jnp.issubdtype(leaf.dtype, jnp.floating)
-        and (leaf.ndim == 0 or (leaf.ndim == len(shape) and leaf.shape != shape))
+        for leaf in leaves[1:]
+        if leaf.ndim == 0 or (leaf.ndim == len(shape) and leaf.shape != shape)
     }
+    if len(scales) > 1:  # the finest, if it refines every other
+        finest = max(scales, key=lambda s: int(np.prod(s)))
+        if all(a % b == 0 for s in scales for a, b in zip(finest, s or finest)):
+            scales = {finest}
     if len(scales) == 1:
         (s,) = scales
         if not s:
@@ -331,6 +337,12 @@ class FakeQuant(qax.ImplicitArray):
 
     def compute_dtype(self) -> Any:
         return self.w.dtype
+
+    def field_dims(self) -> dict[str, tuple[int | None, ...]]:
+        """``w`` is the weight itself: it runs along every dimension (for
+        `qax.sharding`, which then splits ``w`` as the dense weight's spec says)."""
+        rank = jnp.ndim(self.w) if self.weight_ndim is None else self.weight_ndim
+        return {"w": tuple(range(rank))}
 
     @classmethod
     def from_array(
