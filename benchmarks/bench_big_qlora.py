@@ -16,6 +16,14 @@ a gelu MLP, a final LayerNorm and an output head), at 36 layers of width 2560
   the factors only. The loss is ``bench_lora``'s dense model code under
   `qax.use_implicit_args`, its layers run by `lax.scan` with `jax.checkpoint` on the
   layer, so tracing and compiling do not grow with depth.
+- **Quantizing a dense model in place.** `qax.quant.quantize(dense, "nf4",
+  batch_ndim=1)` of the dense f32 model (``--quantize-layers`` layers, 4 by default),
+  in a child process that reads its resident memory from ``/proc/self/status``: the
+  increase of the peak (``VmHWM``, reset before quantizing) over what the dense model
+  already holds, against the largest weight (one stack of layers). `quantize` works
+  one weight at a time, so the increase is the quantized model plus one weight's
+  working copy; with ``donate=True`` each dense weight is freed once quantized, and
+  the increase is one working copy.
 - **Dense fine-tuning does not fit.** The dense f32 train step (adam on every weight,
   parameters and optimizer state donated) is lowered and compiled on abstract shapes
   only (it is never run) and its ``memory_analysis()`` is reported: about 48 GB, twice
@@ -232,6 +240,67 @@ def nf4_params(cfg: Config, key: jax.Array, log: Any = None) -> dict:
     return jax.block_until_ready(params)
 
 
+def _status(key: str) -> int:
+    """A memory figure of this process from ``/proc/self/status``, in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def quantize_memory(cfg: Config, donate: bool) -> dict[str, int]:
+    """Build the dense model, then measure `qax.quant.quantize` of it (run this in a
+    fresh process: see `quantize_rows`)."""
+    params = jax.block_until_ready(dense_params(cfg, jax.random.key(0)))
+    gc.collect()
+    model = nbytes(params)
+    largest = max(x.nbytes for x in jax.tree_util.tree_leaves(params))
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current resident size
+    before = _status("VmRSS")
+    q = qax.quant.quantize(params, "nf4", batch_ndim=1, donate=donate)
+    jax.block_until_ready(q)
+    return {
+        "model": model,
+        "largest": largest,
+        "quantized": nbytes(q),
+        "before": before,
+        "peak": _status("VmHWM"),
+    }
+
+
+def quantize_rows(size: str, layers: int) -> list[list[str]]:
+    """`quantize_memory` in child processes, without and with ``donate``."""
+    import json
+    import subprocess
+
+    rows = []
+    for donate in (False, True):
+        out = subprocess.run(
+            [sys.executable, __file__, "--size", size, "--measure-quantize"]
+            + [str(layers), "--donate" if donate else "--no-donate"],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONPATH": os.getcwd()},
+        )
+        m = json.loads(out.stdout.strip().splitlines()[-1])
+        grew = m["peak"] - m["before"]
+        rows.append(
+            [
+                f"quantize(dense, 'nf4'{', donate=True' if donate else ''})",
+                gb(m["model"]),
+                gb(m["largest"]),
+                gb(m["quantized"]),
+                gb(m["before"]),
+                gb(m["peak"]),
+                f"{gb(grew)} ({grew / m['largest']:.2f} x the largest weight)",
+            ]
+        )
+    return rows
+
+
 def add_lora(cfg: Config, params: dict, key: jax.Array) -> dict:
     """Rank-``cfg.rank`` LoRA on every matmul weight (the stacked ones per layer)."""
 
@@ -427,10 +496,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--depth", type=int, default=None, help="override the number of layers"
     )
+    parser.add_argument(
+        "--quantize-layers",
+        type=int,
+        default=4,
+        help="layers of the dense model whose quantization is measured (0: skip)",
+    )
+    parser.add_argument("--measure-quantize", type=int, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--donate", action=argparse.BooleanOptionalAction, help=argparse.SUPPRESS
+    )
     args = parser.parse_args(argv)
     cfg = SIZES[args.size]
     if args.depth is not None:
         cfg = dataclasses.replace(cfg, n_layers=args.depth)
+    if args.measure_quantize is not None:  # the child process of `quantize_rows`
+        import json
+
+        cfg_q = dataclasses.replace(cfg, n_layers=args.measure_quantize)
+        print(json.dumps(quantize_memory(cfg_q, bool(args.donate))))
+        return 0
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -546,6 +631,23 @@ def main(argv: list[str] | None = None) -> int:
             "(peak RSS is the process's maximum over all depths: "
             f"{gb(runs[-1].rss_after)}; params per layer: NF4 codes, block scales, "
             "LayerNorms, biases and LoRA factors of one layer)"
+        )
+    if args.quantize_layers:
+        log(f"quantize(dense, 'nf4') of {args.quantize_layers} dense layers: RSS")
+        print()
+        print(
+            markdown_table(
+                [
+                    f"{args.quantize_layers} layers, f32",
+                    "dense model",
+                    "largest weight",
+                    "quantized model",
+                    "resident before",
+                    "peak while quantizing",
+                    "peak - before",
+                ],
+                quantize_rows(args.size, args.quantize_layers),
+            )
         )
     ok = full.losses[-1] < full.losses[0]
     print()

@@ -26,7 +26,7 @@ def test_bench_big_qlora_runs_at_tiny_size():
     env.pop("JAX_CHECK_TRACER_LEAKS", None)
     out = subprocess.run(
         [sys.executable, str(SCRIPT), "--size", "tiny", "--depth", "2"]
-        + ["--steps", "3", "--layers", "1"],
+        + ["--steps", "3", "--layers", "1", "--quantize-layers", "1"],
         capture_output=True,
         text=True,
         env=env,
@@ -51,6 +51,9 @@ def test_bench_big_qlora_runs_at_tiny_size():
         assert re.search(rf"^\| {re.escape(row)} ", text, re.M), row
     needs = re.search(r"dense fine-tuning needs ([\d.]+) MB", text)
     assert needs and float(needs.group(1)) > 0
+    # quantize(dense) measured in child processes, without and with donate.
+    for row in ("quantize(dense, 'nf4')", "quantize(dense, 'nf4', donate=True)"):
+        assert re.search(rf"^\| {re.escape(row)} +\| ", text, re.M), row
     # The scaling table has a row per depth.
     assert re.search(r"^\| 1 +\|", text, re.M) and re.search(r"^\| 2 +\|", text, re.M)
 

@@ -1,5 +1,5 @@
 """`qax.quant`'s 4-bit float formats, MXFP4 and NVFP4: codes, sizes, error, handlers,
-QLoRA and QAT.
+QLoRA and QAT; and `quantize(..., donate=True)`.
 
 The oracles: ``ml_dtypes``' own conversions to ``float4_e2m1fn``, ``float8_e8m0fnu``
 and ``float8_e4m3fn`` for the codes and scales (both JAX ends ship them; the formats do
@@ -246,3 +246,25 @@ def test_qat_then_quantize_gives_the_trained_against_codes(name, dtype):
     q = qax.quant.quantize({"w": fq}, "int8")["w"]  # its own format, whatever fmt says
     assert isinstance(q, FP4[name]) and q.dtype == dtype and q.block_axis == -2
     np.testing.assert_array_equal(q.dequantize(), want.astype(dtype))
+
+
+def test_quantize_with_donate_frees_each_dense_weight_it_replaces():
+    tied = normal((8, 64), seed=16)
+    params = {
+        "a": {"kernel": normal((64, 32), seed=17)},
+        "b": {"kernel": normal((32, 64), seed=18), "bias": jnp.zeros(64)},
+        "tied": {"kernel": tied},
+        "again": {"kernel": tied},  # the same array at two paths: kept
+    }
+    want = qax.quant.quantize(params, "nvfp4")
+    got = qax.quant.quantize(params, "nvfp4", donate=True)
+    assert params["a"]["kernel"].is_deleted() and params["b"]["kernel"].is_deleted()
+    assert not params["b"]["bias"].is_deleted()  # not quantized: still the model's
+    assert not tied.is_deleted()
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(g, w)
+    # Traced, it changes nothing (no buffers to free).
+    out = jax.jit(lambda p: qax.quant.quantize(p, "mxfp4", donate=True))(
+        {"k": normal((4, 64))}
+    )
+    assert isinstance(out["k"], MXFP4Weight)

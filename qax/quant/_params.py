@@ -6,6 +6,7 @@ This module uses qax's public API only.
 
 from __future__ import annotations
 
+import collections
 import re
 import warnings
 from typing import Any
@@ -113,6 +114,7 @@ def quantize(
     filter: Any = None,
     rules: Any = None,
     strict_rules: bool = False,
+    donate: bool = False,
     **options: Any,
 ) -> Any:
     """Replace chosen weights of a params pytree by quantized weights.
@@ -152,6 +154,13 @@ def quantize(
         weight gives a warning naming it and the closest paths
         (`qax.lora.check_rules`). `plan` shows what is chosen, and why.
       strict_rules: raise instead of warning about a rule that decides no weight.
+      donate: free each dense weight's buffer once its quantized weight is computed
+        (``params`` can then no longer be used; an array that appears at several
+        paths is kept). Weights are quantized one at a time (each waits for the one
+        before), so the memory ``quantize`` needs is the model plus one weight's
+        working copy, with ``donate`` the quantized weights taking the place of the
+        dense ones (``benchmarks/bench_big_qlora.py`` measures it). Inside a traced
+        function it changes nothing.
       **options: passed to ``from_array``: ``axis`` (int8 and per-channel fp8: an axis
         or a tuple of axes that keep their own scales), ``group_size`` (int4,
         int2...int7 and `IntKWeight`), ``block_size`` (nf4; fp8: block-wise scales
@@ -199,9 +208,14 @@ def quantize(
                 skipped.append(f"{name} {tuple(leaf.shape)}")
             return leaf
         try:
-            return kind.from_array(leaf, **kwargs)
+            q = kind.from_array(leaf, **kwargs)
         except ValueError as error:  # name the weight
             raise ValueError(f"quantize, the weight at {name!r}: {error}") from None
+        if _concrete(leaf):  # one weight's working copy at a time
+            jax.block_until_ready(q)
+            if donate and shared[id(leaf)] == 1:
+                leaf.delete()
+        return q
 
     def convert(path, leaf):
         if hasattr(leaf, "shape"):
@@ -228,6 +242,7 @@ def quantize(
             return leaf
         return one(qax.utils.path_string(path), leaf, None)
 
+    shared = collections.Counter(map(id, jax.tree_util.tree_leaves(params)))
     out = qax.utils.tree_map_with_path_with_implicit(convert, params)
     if skipped:
         warnings.warn(
@@ -241,6 +256,17 @@ def quantize(
         )
     qax.lora.check_rules(rules, seen, "quantize", strict=strict_rules, stacklevel=2)
     return out
+
+
+def _concrete(x: Any) -> bool:
+    """Whether ``x`` is a JAX array with a buffer (not a tracer)."""
+    if not isinstance(x, jax.Array):
+        return False
+    try:
+        x.is_deleted()
+    except jax.errors.ConcretizationTypeError:
+        return False
+    return True
 
 
 def _decider(
