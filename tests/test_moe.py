@@ -397,3 +397,32 @@ def test_loraify_and_quantize_find_experts_and_keep_the_router_dense(scanned):
 def test_router_by_path(path, router):
     leaf = jnp.ones((8, 4))
     assert qax.lora.default_filter(path, leaf) is not router
+
+
+# ----------------------------------------------------------------------------------------
+# Adapter banks: one expert adapter per example
+
+
+def test_per_example_expert_adapters_match_the_per_adapter_loop():
+    # The einsum dispatch under `per_example` (its `vmap` over examples keeps the nf4
+    # experts shared). The ragged form cannot be vmapped with shared experts: JAX's
+    # batching rule of ragged_dot needs the weight batched too.
+    adapters = [_model("lora")[0]]
+    adapters.append(jax.tree.map(lambda v: -0.5 * v, adapters[0]))
+    base = _model("nf4")[1]
+    served = qax.lora.bank(base, adapters)
+    ids = jnp.array([1, -1, 0])
+    x = _rand(8, (3, 5, CFG.d_model))
+
+    def f(params, x):
+        return moe_layers(params, x, CFG, dispatch="einsum")
+
+    with qax.materialization_policy(qax.ImplicitBase, "error"):
+        got = jax.jit(qax.lora.per_example(f))(ids, served, x)
+        one = jax.jit(qax.use_implicit_args(f))
+        for i, k in enumerate(np.asarray(ids)):
+            params = base if k < 0 else qax.lora.combine(adapters[k], base)
+            np.testing.assert_allclose(
+                got[i : i + 1], one(params, x[i : i + 1]), rtol=1e-5, atol=1e-5
+            )
+    assert not np.allclose(got[0], got[2])  # the two adapters differ
