@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
                         out = jax.block_until_ready(make())
                         times.append(time.perf_counter() - t0)
                 except Exception as e:  # noqa: BLE001
-                    rows.append([fmt, name, f"failed: {type(e).__name__}: {e}"[:80]])
+                    why = f"{type(e).__name__}: {e}".splitlines()[0][:90]
+                    rows.append([fmt, name, f"failed ({why})", "", "", ""])
                     continue
             logits = run(out, tokens[:, :-1])
             err = float(

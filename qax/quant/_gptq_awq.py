@@ -44,6 +44,15 @@ _NO_STATS = (
     "and filter) or leave it out with `filter=` / `rules=[(pattern, None)]`."
 )
 
+_UNSUPPORTED = (
+    "{method}: format {kind} is not one {method} rounds; it makes Int8Weight, "
+    "Int4Weight, IntKWeight (int2...int8), NF4Weight and FP8Weight (any block size "
+    "and block_axis). Quantize {kind} with qax.quant.quantize (round to nearest), or "
+    "pick another format for this weight with `rules=`."
+)
+# The formats whose rounding with fixed scales `_Round` and `_encode` know.
+_METHOD_FORMATS = (Int8Weight, Int4Weight, IntKWeight, NF4Weight, FP8Weight)
+
 # ----------------------------------------------------------------------------------------
 # Rounding with fixed scales, per format
 
@@ -515,6 +524,8 @@ def _calibrated(
                 skipped.append(f"{path} {tuple(leaf.shape)}")
             return leaf
         st = stats.get(path)
+        if kind not in _METHOD_FORMATS:
+            raise ValueError(_UNSUPPORTED.format(method=name, kind=kind.__name__))
         if st is None:
             raise ValueError(_NO_STATS.format(method=name, path=path))
         try:
