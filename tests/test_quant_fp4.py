@@ -268,3 +268,22 @@ def test_quantize_with_donate_frees_each_dense_weight_it_replaces():
         {"k": normal((4, 64))}
     )
     assert isinstance(out["k"], MXFP4Weight)
+
+
+def test_checkpoint_description_rebuilds_the_new_formats():
+    import json
+
+    w = normal((2, 64, 32), seed=19, dtype=jnp.bfloat16)
+    tree = {
+        fmt: qax.quant.quantize({"w": w}, fmt, batch_ndim=1, block_axis=-2)["w"]
+        for fmt in ("mxfp4", "nvfp4", "nf4_dq")
+    }
+    desc = json.loads(json.dumps(qax.checkpoint.describe(tree)))
+    raw = {
+        k: {n: np.asarray(getattr(v, n)) for n in v._ARRAYS} for k, v in tree.items()
+    }
+    back = qax.checkpoint.rebuild(raw, desc)
+    for k, q in tree.items():
+        assert type(back[k]) is type(q) and back[k].dtype == jnp.bfloat16
+        assert back[k].block_axis == -2 and back[k].weight_ndim == 2
+        np.testing.assert_array_equal(back[k].dequantize(), q.dequantize())

@@ -16,7 +16,15 @@ from jax import lax
 
 import qax
 from qax.lora import LoraWeight
-from qax.quant import FP8Weight, Int4Weight, Int8Weight, IntKWeight, NF4Weight
+from qax.quant import (
+    FP8Weight,
+    Int4Weight,
+    Int8Weight,
+    IntKWeight,
+    NF4DQWeight,
+    NF4Weight,
+    NVFP4Weight,
+)
 from qax.testing import check_handler
 from tests.helpers import all_eqns, find_eqn
 
@@ -30,9 +38,12 @@ FORMATS = {
     "fp8-block": (FP8Weight, {"block_size": 16}),
     "int3": (IntKWeight, {"bits": 3, "group_size": 16}),
     "int6-axis-2": (IntKWeight, {"bits": 6, "group_size": 16, "block_axis": -2}),
+    "nvfp4": (NVFP4Weight, {}),  # blocks of 16 by the format
+    "nf4_dq": (NF4DQWeight, {"block_size": 16}),
 }
 IDS = list(FORMATS)
 CLASSES = (Int8Weight, Int4Weight, NF4Weight, FP8Weight, IntKWeight, LoraWeight)
+CLASSES += (NVFP4Weight, NF4DQWeight)
 
 
 def normal(shape, seed=0):
