@@ -60,8 +60,20 @@ def _start(args) -> None:
 
 ARGS = _args() if __name__ == "__main__" else None
 if ARGS is not None:
-    print(f"[process {ARGS.process_id}] starting", flush=True)
+    # a line every 2 s while JAX starts (slow on a loaded machine): the launcher's
+    # stall timer then measures the cases (a process that cannot join the others
+    # fails in `initialize`, after `initialization_timeout`)
+    import threading
+
+    started = threading.Event()
+
+    def _starting() -> None:
+        while not started.wait(2):
+            print(f"[process {ARGS.process_id}] starting", flush=True)
+
+    threading.Thread(target=_starting, daemon=True).start()
     _start(ARGS)
+    started.set()
     print(f"[process {ARGS.process_id}] started", flush=True)
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
