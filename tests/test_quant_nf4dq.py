@@ -120,3 +120,15 @@ def test_nf4_stays_plain_and_qlora_and_qat_work_over_nf4_dq():
     np.testing.assert_array_equal(
         q.dequantize(), qax.materialize_nested(fq["l"]["kernel"], full=True)
     )
+
+
+def test_sharding_specs_split_the_group_scales_only_where_they_have_groups():
+    from jax.sharding import PartitionSpec as P
+
+    stack = NF4DQWeight.from_array(normal((3, 64, 128)), batch_ndim=1)  # one group
+    (got,) = qax.sharding.implicit_specs([stack], [P(None, "data", "model")])
+    assert got.packed == got.absmax == P(None, "data", "model")
+    assert got.absmax_scale == P(None, None, None)  # (3, 1, 1): broadcast
+    big = NF4DQWeight.from_array(normal((1024, 128)))  # groups of 128 rows: (8, 1)
+    (got,) = qax.sharding.implicit_specs([big], [P("data", "model")])
+    assert got.absmax_scale == P("data", None)

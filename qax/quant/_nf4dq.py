@@ -160,6 +160,19 @@ class NF4DQWeight(_PackedFourBits):
         scale = absmax.astype(self.dtype) * _expand(absmax_scale, absmax.shape)
         return _codes.scale_blocks(values, scale, self.block_size, k)
 
+    def field_dims(self) -> dict[str, tuple[int | None, ...]]:
+        """Codes and absmax along every dimension of the weight; the group scales
+        along those they have more than one entry on (a group that spans a whole axis
+        broadcasts along it)."""
+        dims = super().field_dims()
+        rank = len(dims["packed"])
+        nb = len(self.shape) - rank
+        pairs = zip(jnp.shape(self.absmax_scale)[nb:], self.shape[nb:], strict=True)
+        dims["absmax_scale"] = tuple(
+            None if n == 1 and m != 1 else i for i, (n, m) in enumerate(pairs)
+        )
+        return dims
+
     def frozen_fields(self) -> tuple[str, ...]:
         """The NF4 codes and the absmax codes."""
         return self._ARRAYS[:2]
