@@ -99,8 +99,12 @@ class _Round:
             mid = jnp.asarray((NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2)
             return levels[jnp.searchsorted(mid, v / s, method="compare_all")] * s
         if self.kind == "fp8":
-            ratio = jnp.clip(v / s, -self.hi, self.hi)
-            return ratio.astype(self.dtype).astype(v.dtype) * s
+            codes = jnp.clip(v / s, -self.hi, self.hi).astype(self.dtype)
+            # Through the bits: XLA may drop a float32 -> fp8 -> float32 round trip
+            # (excess precision, as it does on GPUs), and with it the rounding.
+            bits = lax.bitcast_convert_type(codes, jnp.uint8)
+            codes = lax.bitcast_convert_type(lax.optimization_barrier(bits), self.dtype)
+            return codes.astype(v.dtype) * s
         return jnp.clip(jnp.round(v / s), self.lo, self.hi) * s
 
 
