@@ -10,6 +10,7 @@ tests/_moe_sharded_cases.py`; without 8 devices every case is skipped.
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -76,7 +77,13 @@ def test_expert_parallel_step_matches_one_device():
         assert leaf.addressable_shards[0].data.shape[1] == 1
     xs = jax.device_put(x, NamedSharding(MESH, P("data")))
     with qax.materialization_policy(qax.ImplicitBase, "error"):
-        loss, grads = jax.jit(jax.value_and_grad(_loss))(adapters, base, xs)
+        step = jax.jit(jax.value_and_grad(_loss)).lower(adapters, base, xs).compile()
+    loss, grads = step(adapters, base, xs)
+    # Expert parallelism: each device keeps its expert's codes, scales and factors;
+    # what moves are tokens and router outputs (no expert stack, 3-D or more, is
+    # gathered).
+    gathered = re.findall(r"= \w+\[([\d,]*)\]\S* all-gather\(", step.as_text())
+    assert all(len(dims.split(",")) <= 2 for dims in gathered), gathered
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     for got, expected in zip(
         jax.tree.leaves(grads), jax.tree.leaves(want), strict=True
