@@ -68,9 +68,8 @@ def _fp4_values(packed: jax.Array) -> jax.Array:
 
 def mx_codes(blocks: jax.Array, absmax: jax.Array) -> tuple[jax.Array, jax.Array]:
     """MXFP4: the codes of each block of 32 (the last axis) and the e8m0 scale bytes."""
-    _, exponent = jnp.frexp(
-        absmax.astype(jnp.float32)
-    )  # absmax = m * 2**e, m in [.5, 1)
+    # absmax = m * 2**e with m in [0.5, 1): floor(log2(absmax)) = e - 1, exactly.
+    _, exponent = jnp.frexp(absmax.astype(jnp.float32))
     shared = jnp.where(absmax > 0, exponent - 1 - 2, -127)  # floor(log2) - emax(FP4)
     shared = jnp.clip(shared, -127, 127)
     scale = jnp.ldexp(jnp.float32(1), shared)
