@@ -6,7 +6,9 @@
 
 and, in ``guides/many-adapters.md``, the plot of ``benchmarks/results/bench_banks.json``
 (step time against the number of distinct adapters) in place of its placeholder, as an
-inline SVG drawn here (no plotting library needed).
+inline SVG drawn here (no plotting library needed); in ``guides/lora-qlora.md``, the
+composition matrix, from the parameters of ``tests/test_composition.py`` (the page
+lists exactly the cells that test runs).
 """
 
 from __future__ import annotations
@@ -199,7 +201,43 @@ def _banks_plot(path: pathlib.Path = BANKS_JSON) -> str:
     return f"<figure>{svg}<figcaption>{caption}</figcaption></figure>"
 
 
+COMPOSITION_PLACEHOLDER = "<!-- test_composition: matrix -->"
+
+
+def _composition_table() -> str:
+    """The matrix `tests/test_composition.py` runs: a row per base format, a column
+    per adapter type, in each cell the transformations checked."""
+    import importlib.util
+
+    path = ROOT / "tests" / "test_composition.py"
+    spec = importlib.util.spec_from_file_location("_qax_composition_matrix", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    pairs, mesh = set(module.PAIRS), set(module.MESH_PAIRS)
+    header = "| base format | " + " | ".join(module.ADAPTERS) + " |"
+    lines = [header, "|---" * (1 + len(module.ADAPTERS)) + "|"]
+    for fmt in module.BASES:
+        cells = []
+        for kind in module.ADAPTERS:
+            ran = [
+                t
+                for t in module.TRANSFORMS
+                if ((kind, fmt) in mesh if t == "mesh" else (kind, fmt) in pairs)
+            ]
+            cells.append(" ".join(ran) or "-")
+        lines.append(f"| {fmt} | " + " | ".join(cells) + " |")
+    note = (
+        f"\n\nGenerated from `tests/test_composition.py`: {len(pairs)} pairs under "
+        f"{', '.join(t for t in module.TRANSFORMS if t != 'mesh')}, and {len(mesh)} "
+        "of them on a 2x4 mesh, each against the merged dense model with nothing "
+        "materialized."
+    )
+    return "\n".join(lines) + note
+
+
 def on_page_markdown(markdown, page, config, files):
     if BANKS_PLACEHOLDER in markdown:
         markdown = markdown.replace(BANKS_PLACEHOLDER, _banks_plot())
+    if COMPOSITION_PLACEHOLDER in markdown:
+        markdown = markdown.replace(COMPOSITION_PLACEHOLDER, _composition_table())
     return markdown

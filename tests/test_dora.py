@@ -231,3 +231,38 @@ def test_to_dora_starts_where_lora_is():
     _close(f(x, dora), f(x, lora))  # b = 0: both are the base model
     with pytest.raises(ValueError, match="shape of the output axes"):
         qax.lora.DoraWeight(w, lora["w"].a, lora["w"].b, m=jnp.ones(16))
+
+
+def test_dora_adapters_live_in_banks():
+    """`bank` of DoRA adapters is a `DoraBank`: one base and its ‖w‖², a magnitude per
+    adapter; `per_example` gives each example its adapter's DoRA weight (id -1: the
+    base alone), `unbank` gives the adapters back. (Every transformation over every
+    base: tests/test_composition.py.)"""
+    one = [_dora((8, 6), None, "int8"), _dora((8, 6), None, "int8")]
+    one[1] = qax.lora.DoraWeight(
+        one[1].w, one[1].a * 2, one[1].b, m=one[1].m * 0.5, w_norm2=one[1].w_norm2,
+        alpha=6.0,
+    )  # fmt: skip
+    split = [qax.lora.split({"w": d}) for d in one]
+    served = qax.lora.bank(split[0][1], [a for a, _ in split])
+    bank = served["w"]
+    assert isinstance(bank, qax.lora.DoraBank) and bank.shape == (2, 8, 6)
+    _close(bank.materialize()[1], one[1].materialize())
+    _close(bank.adapter(0).materialize(), one[0].materialize())
+    x = jax.random.normal(K[5], (3, 8))
+    ids = jnp.array([1, -1, 0])
+    with no_materialization():
+        got = qax.lora.per_example(lambda p, x: x @ p["w"])(ids, served, x)
+    base = qax.materialize_nested(one[0].w, full=True)
+    want = [x[0] @ one[1].materialize(), x[1] @ base, x[2] @ one[0].materialize()]
+    _close(got, jnp.stack(want))
+    back, adapters = qax.lora.unbank(served)
+    assert isinstance(back["w"], qax.lora.DoraBase)
+    for (a, _), b in zip(split, adapters, strict=True):
+        for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+            np.testing.assert_array_equal(u, v)
+    lora_adapters, _ = qax.lora.split(
+        {"w": qax.lora.LoraWeight(one[0].w, one[0].a, one[0].b, alpha=6.0)}
+    )
+    with pytest.raises(ValueError, match="LoRA and DoRA adapters"):
+        qax.lora.bank(split[0][1], [split[0][0], lora_adapters])

@@ -70,6 +70,7 @@ from . import _ragged, _stacks  # noqa: F401 (registers more handlers)
 from ._bank import (
     BankPadding,
     BankPaddingRow,
+    DoraBank,
     LoraBank,
     bank,
     bank_padding,
@@ -103,6 +104,7 @@ __all__ = [
     "BankPadding",
     "BankPaddingRow",
     "DoraAdapter",
+    "DoraBank",
     "DoraBase",
     "DoraWeight",
     "LoftQ",

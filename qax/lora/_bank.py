@@ -28,6 +28,7 @@ import numpy as np
 
 import qax
 
+from ._dora import DoraAdapter, DoraBase, DoraWeight
 from ._weight import LoraAdapter, LoraWeight, _batch_ndim, _layout
 
 _NO_ADAPTERS = (
@@ -197,6 +198,84 @@ class LoraBank(qax.ImplicitArray):
         return jax.vmap(one)(self.a, self.b, scales).astype(self.dtype)
 
 
+class DoraBank(LoraBank):
+    """``N`` DoRA adapters over one shared base weight (a `LoraBank` with magnitudes).
+
+    Entry ``i`` of the stack it stands for is adapter ``i``'s `DoraWeight` merged:
+    ``m[i] * V_i / ‖V_i‖`` with ``V_i = w + s_i * tensordot(a[i], b[i], 1)``. ``w`` and
+    its ``‖w‖²`` (``w_norm2``, frozen) are stored once. Built by `bank` from adapters of
+    `DoraWeight`s (`split` gives them as `DoraAdapter`s); `per_example` hands every
+    example its adapter as a `DoraWeight` (the base model alone for id ``-1``).
+
+    Examples:
+        >>> d = qax.lora.DoraWeight(jnp.ones((4, 3)), jnp.ones((4, 1)), jnp.ones((1, 3)),
+        ...                         m=jnp.ones(3))
+        >>> adapters, base = qax.lora.split({"w": d})
+        >>> db = qax.lora.bank(base, [adapters, adapters])["w"]
+        >>> type(db).__name__, db.shape
+        ('DoraBank', (2, 4, 3))
+
+    Attributes:
+      m: each adapter's magnitude, ``(N, *stack, *B)``.
+      w_norm2: ``‖w‖²`` per output unit, ``(*stack, *B)`` (frozen).
+    """
+
+    m: qax.ArrayValue = None
+    w_norm2: qax.ArrayValue = None
+
+    def frozen_fields(self) -> tuple[str, ...]:
+        """``w`` (when ``freeze_w``) and ``w_norm2``."""
+        return (*super().frozen_fields(), "w_norm2")
+
+    def __post_init__(self) -> None:
+        n = int(jnp.shape(self.a)[0]) if jnp.ndim(self.a) else 0
+        if self.m is None or self.w_norm2 is None or jnp.shape(self.m)[:1] != (n,):
+            raise ValueError(
+                "DoraBank: `m` stacks one magnitude per adapter along its first axis "
+                f"(N={n}) and `w_norm2` is the base's ‖w‖²; got m "
+                f"{None if self.m is None else jnp.shape(self.m)}, w_norm2 "
+                f"{None if self.w_norm2 is None else jnp.shape(self.w_norm2)}."
+            )
+        super().__post_init__()
+
+    def adapter(self, i: int) -> DoraWeight:
+        """Adapter ``i`` as a `DoraWeight` over the base (its own rank, unpadded)."""
+        lw = super().adapter(i)
+        return DoraWeight(
+            lw.w,
+            lw.a,
+            lw.b,
+            m=self.m[i],
+            w_norm2=self.w_norm2,
+            alpha=lw.alpha,
+            a_axes=self.a_axes,
+        )
+
+    def field_dims(self) -> dict[str, tuple[int | None, ...]]:
+        """As `LoraBank`; ``m`` along the adapter axis and the output axes, ``w_norm2``
+        along the output axes."""
+        dims = super().field_dims()
+        nb = _nb(self.w, self.a[0], self.b[0])
+        b_dims = dims["b"][2 + nb :]
+        stack = tuple(range(1, 1 + nb))
+        return {**dims, "m": (0, *stack, *b_dims), "w_norm2": (*stack, *b_dims)}
+
+    def materialize(self) -> jax.Array:
+        scales = jnp.asarray(self.scales())
+
+        def one(a, b, m, s):
+            return DoraWeight(
+                self.w,
+                a * s.astype(a.dtype),
+                b,
+                m=m,
+                w_norm2=self.w_norm2,
+                a_axes=self.a_axes,
+            ).materialize()
+
+        return jax.vmap(one)(self.a, self.b, self.m, scales).astype(self.dtype)
+
+
 def _abstract(x: Any) -> Any:
     return jax.tree_util.tree_map(
         lambda v: jax.ShapeDtypeStruct(jnp.shape(v), v.dtype), x
@@ -268,10 +347,10 @@ def bank(base: Any, adapters: Sequence[Any] | Mapping[Any, Any]) -> Any:
         raise ValueError(_NO_ADAPTERS)
 
     def is_leaf(x: Any) -> bool:
-        return x is None or isinstance(x, (LoraAdapter, qax.ImplicitArray))
+        return x is None or isinstance(x, (*_ADAPTERS, qax.ImplicitArray))
 
     def is_weight(x: Any) -> bool:
-        return isinstance(x, qax.ImplicitArray)
+        return isinstance(x, (qax.ImplicitArray, DoraBase))
 
     base_paths, treedef = jax.tree_util.tree_flatten_with_path(base, is_leaf=is_weight)
     columns = []
@@ -285,7 +364,7 @@ def bank(base: Any, adapters: Sequence[Any] | Mapping[Any, Any]) -> Any:
                 raise ValueError(
                     _NOT_SPLIT.format(i=i, path=qax.utils.path_string(path))
                 )
-            if x is not None and not isinstance(x, LoraAdapter):
+            if x is not None and not isinstance(x, _ADAPTERS):
                 # A subtree where base has a leaf: not an adapter tree.
                 found = jax.tree_util.tree_leaves(x, is_leaf=is_leaf)
                 if any(f is not None for f in found):
@@ -293,7 +372,7 @@ def bank(base: Any, adapters: Sequence[Any] | Mapping[Any, Any]) -> Any:
                         _STRUCTURE.format(
                             i=i,
                             error=f"{type(x).__name__} at "
-                            f"{qax.utils.path_string(path)}, not a LoraAdapter or None",
+                            f"{qax.utils.path_string(path)}, not an adapter or None",
                         )
                     )
                 column[j] = None
@@ -309,15 +388,33 @@ def bank(base: Any, adapters: Sequence[Any] | Mapping[Any, Any]) -> Any:
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
+_ADAPTERS = (LoraAdapter, DoraAdapter)
+
+
 def _bank_one(path: str, w: Any, found: list) -> LoraBank:
-    given = [(i, x) for i, x in enumerate(found) if isinstance(x, LoraAdapter)]
+    given = [(i, x) for i, x in enumerate(found) if isinstance(x, _ADAPTERS)]
     i0, first = given[0]
+    dora = isinstance(first, DoraAdapter)
+    if any(isinstance(x, DoraAdapter) != dora for _, x in given) or (
+        isinstance(w, DoraBase) != dora
+    ):
+        raise ValueError(
+            _MISMATCH.format(
+                i=i0,
+                path=path,
+                why="LoRA and DoRA adapters (or a DoRA adapter and a LoRA base) at "
+                "one weight; a bank holds one kind",
+            )
+        )
+    if dora:
+        return _dora_bank_one(path, w, found)
     for i, x in given:
         why = None
-        if (x.a_axes, x.freeze_w) != (first.a_axes, first.freeze_w):
+        freeze = (getattr(x, "freeze_w", True), getattr(first, "freeze_w", True))
+        if x.a_axes != first.a_axes or freeze[0] != freeze[1]:
             why = (
-                f"a_axes={x.a_axes}, freeze_w={x.freeze_w} where adapter {i0} has "
-                f"a_axes={first.a_axes}, freeze_w={first.freeze_w}"
+                f"a_axes={x.a_axes}, freeze_w={freeze[0]} where adapter {i0} has "
+                f"a_axes={first.a_axes}, freeze_w={freeze[1]}"
             )
         else:
             try:
@@ -353,8 +450,30 @@ def _bank_one(path: str, w: Any, found: list) -> LoraBank:
         b,
         alphas=tuple(alphas),
         ranks=tuple(ranks),
-        freeze_w=first.freeze_w,
+        freeze_w=getattr(first, "freeze_w", True),
         a_axes=first.a_axes,
+    )
+
+
+def _dora_bank_one(path: str, base: DoraBase, found: list) -> DoraBank:
+    """A `DoraBank`: the factors banked as for LoRA, the magnitudes stacked (an
+    empty slot gets the base's own norm: its weight is the base)."""
+    plain = [
+        None if x is None else LoraAdapter(x.a, x.b, alpha=x.alpha, a_axes=x.a_axes)
+        for x in found
+    ]
+    lb = _bank_one(path, base.w, plain)
+    norm = jnp.sqrt(base.w_norm2)
+    m = jnp.stack([norm if x is None else jnp.asarray(x.m, norm.dtype) for x in found])
+    return DoraBank(
+        lb.w,
+        lb.a,
+        lb.b,
+        alphas=lb.alphas,
+        ranks=lb.ranks,
+        a_axes=lb.a_axes,
+        m=m,
+        w_norm2=base.w_norm2,
     )
 
 
@@ -392,6 +511,8 @@ def unbank(params: Any) -> tuple[Any, list]:
     n = _bank_size(params, "qax.lora.unbank")
 
     def base_of(x: Any) -> Any:
+        if isinstance(x, DoraBank):
+            return DoraBase(x.w, x.w_norm2)
         return x.w if _is_bank(x) else x
 
     def adapter_of(i: int) -> Callable[[Any], Any]:
@@ -399,6 +520,8 @@ def unbank(params: Any) -> tuple[Any, list]:
             if not _is_bank(x) or x.ranks[i] == 0:
                 return None
             a, b = _trim(x, x.a[i], x.b[i], x.ranks[i])
+            if isinstance(x, DoraBank):
+                return DoraAdapter(a, b, x.m[i], alpha=x.alphas[i], a_axes=x.a_axes)
             return LoraAdapter(
                 a, b, alpha=x.alphas[i], freeze_w=x.freeze_w, a_axes=x.a_axes
             )

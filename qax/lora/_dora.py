@@ -465,3 +465,33 @@ def _transpose_dora(primitive, w: DoraWeight, *, permutation) -> Any:
         alpha=w.alpha,
         a_axes=new_a_axes,
     )
+
+
+@qax.primitive_handler("slice")
+def _slice_dora(primitive, w: DoraWeight, *, start_indices, limit_indices, strides):
+    """A slice along output axes only (``w[:, :k]`` of a Flax kernel; a fused
+    projection's piece): the base, ``b``, ``m`` and ``w_norm2`` sliced on those axes,
+    ``a`` unchanged, so each output unit keeps its norm. A slice that cuts input axes
+    changes every norm: it is declined (the weight is formed, with a warning)."""
+    if not _unbatched(w):
+        return NotImplemented
+    a_axes, b_axes = _layout(w.w_ndim, w.a_ndim - 1, w.a_axes)
+    strides = tuple(strides or (1,) * w.ndim)
+    starts, limits = tuple(start_indices), tuple(limit_indices)
+    whole = all(
+        starts[i] == 0 and limits[i] == w.shape[i] and strides[i] == 1 for i in a_axes
+    )
+    if not whole:
+        return NotImplemented
+    on_b = lambda x: tuple(x[i] for i in b_axes)  # noqa: E731
+    return DoraWeight(
+        lax.slice(w.w, starts, limits, strides),
+        w.a,
+        lax.slice(
+            w.b, (0, *on_b(starts)), (w.b.shape[0], *on_b(limits)), (1, *on_b(strides))
+        ),
+        m=lax.slice(w.m, on_b(starts), on_b(limits), on_b(strides)),
+        w_norm2=lax.slice(w.w_norm2, on_b(starts), on_b(limits), on_b(strides)),
+        alpha=w.alpha,
+        a_axes=w.a_axes,
+    )

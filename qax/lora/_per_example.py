@@ -21,7 +21,8 @@ import numpy as np
 
 import qax
 
-from ._bank import LoraBank, _bank_size, _banks, _is_bank
+from ._bank import DoraBank, LoraBank, _bank_size, _banks, _is_bank
+from ._dora import DoraWeight
 from ._weight import LoraWeight
 
 _BAD_IDS = (
@@ -82,19 +83,28 @@ def _select(x: LoraBank, ids: jax.Array) -> tuple[Any, Any, Any]:
     scale = jnp.asarray(x.scales())[safe]
     scale = jnp.where(ids < 0, 0.0, scale)
     scale = jnp.where(ids >= n, jnp.nan, scale)
-    return (
+    picked = (
         jnp.take(x.a, safe, axis=0, mode="clip"),
         jnp.take(x.b, safe, axis=0, mode="clip"),
         scale,
     )
+    if isinstance(x, DoraBank):  # id -1: the base's own norm (its weight is the base)
+        m = jnp.take(x.m, safe, axis=0, mode="clip")
+        norm = jnp.sqrt(x.w_norm2).astype(m.dtype)
+        where = (ids < 0).reshape((-1,) + (1,) * (jnp.ndim(m) - 1))
+        return (*picked, jnp.where(where, norm[None], m))
+    return picked
 
 
-def _view(x: LoraBank, a: Any, b: Any, s: Any) -> LoraWeight:
-    """One example's adapter: its factors with the scale folded into the smaller one."""
+def _view(x: LoraBank, a: Any, b: Any, s: Any, m: Any = None) -> Any:
+    """One example's adapter: its factors with the scale folded into the smaller one
+    (a `DoraWeight` with its magnitude ``m`` for a `DoraBank`)."""
     if math.prod(jnp.shape(a)) <= math.prod(jnp.shape(b)):
         a = a * s.astype(a.dtype)
     else:
         b = b * s.astype(b.dtype)
+    if isinstance(x, DoraBank):
+        return DoraWeight(x.w, a, b, m=m, w_norm2=x.w_norm2, a_axes=x.a_axes)
     return LoraWeight(x.w, a, b, freeze_w=x.freeze_w, a_axes=x.a_axes)
 
 
