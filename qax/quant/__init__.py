@@ -99,9 +99,9 @@ from typing import ClassVar  # noqa: F401
 
 from . import _handlers, _indexing, _ragged  # noqa: F401  (register the handlers)
 from ._calibrate import InputStats, calibrate
+from ._fp4 import FP4_LEVELS, MXFP4Weight, NVFP4Weight
 from ._gptq_awq import awq, gptq
 from ._like import format_options, requantize
-from ._fp4 import FP4_LEVELS, MXFP4Weight, NVFP4Weight
 from ._nf4dq import NF4DQWeight
 from ._params import FORMATS, dequantize, plan, quantize, quantize_dequantize
 from ._types import (
