@@ -18,6 +18,8 @@ import qax
 # The last name of a path that holds a layer's kernel, in Flax (`kernel`), Equinox and
 # PyTorch (`weight`), Haiku and DeepMind's Griffin (`w`).
 _KERNELS = frozenset({"kernel", "weight", "w"})
+_NUMBERED_W = re.compile(r"[wW]\d+")
+_NUMBERED_B = re.compile(r"[bB]\d+")
 
 
 def _split_name(path: str) -> tuple[str, str]:
@@ -56,8 +58,9 @@ def biases(params: Any) -> frozenset[str]:
     PyTorch, Haiku and DeepMind's Griffin) and the leaf's shape, its size-1 axes
     aside, is the kernel's without the contracted axes (fewer axes, the output axis
     kept: the kernel's last or first): Haiku's and Griffin's
-    ``b`` beside ``w``, a block-diagonal layer's ``(blocks, out)`` bias beside its
-    ``(blocks, in, out)`` kernel, biases stacked beside stacked kernels. A leaf named
+    ``b`` beside ``w`` (and ``b1`` beside ``w1``: an MLP's numbered pairs), a
+    block-diagonal layer's ``(blocks, out)`` bias beside its ``(blocks, in, out)``
+    kernel, biases stacked beside stacked kernels. A leaf named
     ``b`` without such a kernel beside it (``{"a": ..., "b": ...}``) is not a bias.
     NNX states' trailing ``value`` is skipped. The default selection of
     `loraify`, `qax.quant.quantize` and `qax.qat.fake_quantize` leaves these out.
@@ -65,6 +68,9 @@ def biases(params: Any) -> frozenset[str]:
     Examples:
         >>> qax.lora.biases({"gate": {"w": jnp.ones((2, 4, 4)), "b": jnp.ones((2, 4))}})
         frozenset({'gate/b'})
+        >>> sorted(qax.lora.biases({"mlp": {"w1": jnp.ones((2, 4, 8)),
+        ...                                 "b1": jnp.ones((2, 8))}}))
+        ['mlp/b1']
 
     Args:
       params: any pytree (implicit arrays are leaves).
@@ -89,6 +95,16 @@ def biases(params: Any) -> frozenset[str]:
                 _is_bias_of(shape, k) for k in kernels
             ):
                 found.add(path)
+        # Numbered pairs (an MLP's ``w1``/``b1``, ``w2``/``b2``): ``bN`` beside ``wN``.
+        numbered = {
+            n.lower()[1:]: s
+            for _, n, s in members
+            if _NUMBERED_W.fullmatch(n) and len(s) >= 2
+        }
+        for path, name, shape in members:
+            if _NUMBERED_B.fullmatch(name) and name[1:] in numbered:
+                if _is_bias_of(shape, numbered[name[1:]]):
+                    found.add(path)
     return frozenset(found)
 
 
