@@ -230,7 +230,8 @@ def _composition_table() -> str:
         f"\n\nGenerated from `tests/test_composition.py`: {len(pairs)} pairs under "
         f"{', '.join(t for t in module.TRANSFORMS if t != 'mesh')}, and {len(mesh)} "
         "of them on a 2x4 mesh, each against the merged dense model with nothing "
-        "materialized."
+        "materialized (on the newest JAX; the oldest supported JAX runs the formats of "
+        "the mesh column)."
     )
     return "\n".join(lines) + note
 
