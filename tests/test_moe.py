@@ -426,3 +426,56 @@ def test_per_example_expert_adapters_match_the_per_adapter_loop():
                 got[i : i + 1], one(params, x[i : i + 1]), rtol=1e-5, atol=1e-5
             )
     assert not np.allclose(got[0], got[2])  # the two adapters differ
+
+
+@pytest.mark.parametrize("fmt", [None, "nf4"], ids=["lora", "qlora-nf4"])
+def test_experts_built_and_called_by_nnx_vmap(fmt):
+    """Experts as Flax NNX builds them (`nnx.vmap` of an `nnx.Linear`: one stacked
+    kernel) and calls them (`nnx.vmap` over experts and their token buckets): LoRA
+    and QLoRA stay implicit, outputs and factor gradients as the merged dense experts'."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    @nnx.split_rngs(splits=E)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+        return nnx.Linear(D, F, rngs=rngs)
+
+    graphdef, state = nnx.split(create(nnx.Rngs(0)))
+
+    @nnx.vmap(in_axes=(0, 0), out_axes=0)
+    def apply(expert, xe):
+        return expert(xe)
+
+    def loss(state, x):
+        return jnp.sum(jnp.tanh(apply(nnx.merge(graphdef, state), x)) ** 2)
+
+    base = state
+    if fmt is not None:
+        base = qax.quant.quantize(state, fmt, batch_ndim=1, block_size=8)
+    params = qax.lora.loraify(base, R, key=jax.random.key(1), batch_ndim=1, alpha=4.0)
+    params = jax.tree_util.tree_map(
+        lambda x: (
+            dataclasses.replace(x, b=x.b + 0.3) if isinstance(x, LoraWeight) else x
+        ),
+        params,
+        is_leaf=lambda x: isinstance(x, LoraWeight),
+    )
+    adapters, frozen = qax.lora.split(params)
+    x = _rand(3, (E, 5, D))
+
+    def implicit(adapters):
+        return qax.use_implicit_args(loss)(qax.lora.combine(adapters, frozen), x)
+
+    def dense(adapters):
+        return loss(qax.lora.merge(qax.lora.combine(adapters, frozen)), x)
+
+    with qax.materialization_policy(qax.ImplicitBase, "error"):
+        value, grads = jax.jit(jax.value_and_grad(implicit))(adapters)
+    want, want_grads = jax.value_and_grad(dense)(adapters)
+    np.testing.assert_allclose(value, want, rtol=1e-5)
+    for g, w in zip(
+        jax.tree_util.tree_leaves(grads),
+        jax.tree_util.tree_leaves(want_grads),
+        strict=True,
+    ):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
