@@ -182,22 +182,19 @@ def _programs(kind, fmt):
     return implicit, dense, one, stack
 
 
-def _check(kind, fmt, got, want):
+def _check(kind, fmt, cell, got, want):
+    """Every leaf of ``got`` against ``want`` (bfloat16 bases to bfloat16's precision)."""
     tol = 3e-2 if fmt == "bfloat16" else 2e-4
-    for cell in TRANSFORMS[:-1]:
-        g, w = (
-            jax.tree_util.tree_leaves(got[cell]),
-            jax.tree_util.tree_leaves(want[cell]),
+    g, w = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)
+    assert len(g) == len(w), (kind, fmt, cell)
+    for a, b in zip(g, w, strict=True):
+        np.testing.assert_allclose(
+            np.asarray(a, np.float32),
+            np.asarray(b, np.float32),
+            rtol=tol,
+            atol=tol,
+            err_msg=f"{kind} over {fmt}: {cell}",
         )
-        assert len(g) == len(w), (kind, fmt, cell)
-        for a, b in zip(g, w, strict=True):
-            np.testing.assert_allclose(
-                np.asarray(a, np.float32),
-                np.asarray(b, np.float32),
-                rtol=tol,
-                atol=tol,
-                err_msg=f"{kind} over {fmt}: {cell}",
-            )
 
 
 # The mesh column (a child process, 8 devices): every adapter over one format of each
@@ -229,7 +226,9 @@ def _cell(kind, fmt):
     implicit, dense, one, stack = _programs(kind, fmt)
     with qax.materialization_policy(qax.ImplicitArray, "error"):
         got = jax.jit(implicit)(one, stack)
-    _check(kind, fmt, got, jax.jit(dense)(one, stack))
+    want = jax.jit(dense)(one, stack)
+    for cell in TRANSFORMS[:-1]:
+        _check(kind, fmt, cell, got[cell], want[cell])
 
 
 def _on_mesh(kind, fmt):
@@ -275,17 +274,7 @@ def _on_mesh(kind, fmt):
             lambda m, w, x: _dense_run(kind, m, w, lora.merge({"w": w})["w"], x)
         )
     )()
-    tol = 3e-2 if fmt == "bfloat16" else 2e-4
-    for a, b in zip(
-        jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True
-    ):
-        np.testing.assert_allclose(
-            np.asarray(a, np.float32),
-            np.asarray(b, np.float32),
-            rtol=tol,
-            atol=tol,
-            err_msg=f"{kind} over {fmt}: mesh",
-        )
+    _check(kind, fmt, "mesh", got, want)
 
 
 @pytest.mark.parametrize(
