@@ -654,3 +654,32 @@ def _peeking_mul(primitive, a: PeekingDoubled, b: jax.Array):
     if not bool(jnp.all(b >= 0)):  # a concrete value (fails on a tracer)
         return NotImplemented
     return PeekingDoubled(jax.lax.mul(a.x, b))
+
+
+def run_on_eight_devices(*pytest_args: str, env: dict | None = None, timeout=600):
+    """``python -m pytest -q *pytest_args`` in a child process with 8 simulated CPU
+    devices (the count must be set before JAX starts); fails with its output. Returns
+    the child's stdout."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = {**os.environ, **(env or {}), "JAX_PLATFORMS": "cpu"}
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    report = proc.stdout + proc.stderr
+    assert proc.returncode == 0, report[-8000:]
+    assert " passed" in report and "skipped" not in report.split("\n")[-2], report
+    return proc.stdout

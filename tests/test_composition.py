@@ -20,9 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +28,7 @@ import pytest
 
 import qax
 from qax import lora, quant
+from tests.helpers import run_on_eight_devices
 
 ALL = lambda *_: True  # noqa: E731
 D_IN, D_OUT, LAYERS = 32, 64, 2
@@ -287,23 +285,10 @@ def _mesh_cell(kind, fmt):
 
 def _mesh_column():
     """The `mesh` column: `MESH_PAIRS` on a 2x4 mesh of simulated CPU devices."""
-    env = dict(os.environ, QAX_COMPOSITION_MESH="1", JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-    root = pathlib.Path(__file__).resolve().parent.parent
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x"]
-        + ["-k", "test_mesh_cell", str(pathlib.Path(__file__))],
-        env=env,
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=900,
+    out = run_on_eight_devices(
+        "-x", "-k", "test_mesh_cell", __file__, env={"QAX_COMPOSITION_MESH": "1"}
     )
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert f"{len(MESH_PAIRS)} passed" in proc.stdout, proc.stdout[-2000:]
+    assert f"{len(MESH_PAIRS)} passed" in out, out[-2000:]
 
 
 # The parent collects the cells and the mesh column; the child (8 devices) only the

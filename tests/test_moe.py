@@ -13,10 +13,7 @@ sharded (`_moe_sharded_cases.py`, in a child process with 8 simulated devices).
 """
 
 import dataclasses
-import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.extend
@@ -27,7 +24,7 @@ from jax import lax
 
 import qax
 from qax.examples.moe import MoEConfig, init_moe, moe_block, moe_layers
-from tests.helpers import all_eqns
+from tests.helpers import all_eqns, run_on_eight_devices
 
 HERE = pathlib.Path(__file__).resolve().parent
 E, D, F, R, M = 3, 16, 32, 2, 9  # experts, d_in, d_out, rank, token copies
@@ -323,30 +320,7 @@ def test_quantized_experts_bytes_as_stored():
 
 
 def test_expert_parallel_training_on_eight_devices():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            str(HERE / "_moe_sharded_cases.py"),
-        ],
-        cwd=HERE.parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    report = proc.stdout + proc.stderr
-    assert proc.returncode == 0, report
-    assert " passed" in report and "skipped" not in report.split("\n")[-2], report
+    run_on_eight_devices(str(HERE / "_moe_sharded_cases.py"))
 
 
 # ----------------------------------------------------------------------------------------

@@ -8,10 +8,7 @@ The `qax.sharding` spec derivation is tested here, in this process.
 """
 
 import dataclasses
-import os
 import pathlib
-import subprocess
-import sys
 import warnings
 from dataclasses import dataclass
 
@@ -23,37 +20,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qax
-from tests.helpers import all_eqns
+from tests.helpers import all_eqns, run_on_eight_devices
 
 HERE = pathlib.Path(__file__).resolve().parent
 
 
 @pytest.mark.parametrize("cases", ["_sharding_cases.py", "_sharded_training_cases.py"])
 def test_cases_on_eight_devices(cases):
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            str(HERE / cases),
-        ],
-        cwd=HERE.parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    report = proc.stdout + proc.stderr
-    assert proc.returncode == 0, report
-    assert " passed" in report and "skipped" not in report.split("\n")[-2], report
+    run_on_eight_devices(str(HERE / cases))
 
 
 # ----------------------------------------------------------------------------------------
