@@ -75,25 +75,23 @@ class MergeQualityError(ValueError):
         self.report = report
 
 
-def merged_weight(x: Any, quantize: Any, options: dict) -> Any:
-    """One adapted weight merged: dense, in its base's format, or in ``quantize``."""
-    dense = qax.materialize_nested(x, full=True)
-    if quantize is None:
-        return dense
-    if isinstance(x, LoraBank):
-        raise ValueError(
-            "merge(quantize=...): a LoraBank stands for one merged weight per adapter; "
-            "take out the adapter you serve first (qax.lora.unbank) and merge that."
-        )
-    base = x.w
+def requantized(x: Any, dense: jax.Array, quantize: Any, options: dict) -> Any:
+    """``dense``, the merge of the adapted weight ``x``, stored in ``x``'s base's format
+    (``quantize="base"``; a dense base stays dense) or in the format ``quantize``."""
     if quantize == "base":
-        if not isinstance(base, qax.quant.QuantizedWeight):
-            return dense  # a dense base stays dense
-        return qax.quant.requantize(dense, base)
+        if not isinstance(x.w, qax.quant.QuantizedWeight):
+            return dense
+        return qax.quant.requantize(dense, x.w)
     nb = _batch_ndim(jnp.ndim(x.w), jnp.ndim(x.a), jnp.ndim(x.b))
     return qax.quant.quantize(
         dense, quantize, filter=lambda *_: True, **{"batch_ndim": nb, **options}
     )
+
+
+BANK_REFUSED = (
+    "merge(quantize=...): a LoraBank stands for one merged weight per adapter; "
+    "take out the adapter you serve first (qax.lora.unbank) and merge that."
+)
 
 
 def _rms(x: Any, y: Any) -> tuple[float, float]:

@@ -20,7 +20,7 @@ from ._bank import LoraBank
 from ._dora import DoraAdapter, DoraBase, DoraWeight, to_dora
 from ._experts import expert_axes, is_router
 from ._init import check_init, initialised
-from ._merge import merged_weight, report
+from ._merge import BANK_REFUSED, report, requantized
 from ._select import (
     Plan,
     PlanRow,
@@ -524,17 +524,24 @@ def merge(
     def is_leaf(x: Any) -> bool:
         return isinstance(x, (LoraWeight, LoraBank, DoraWeight))
 
-    def one(x: Any, quantize: Any) -> Any:
-        return merged_weight(x, quantize, options) if is_leaf(x) else x
+    def dense_of(x: Any) -> Any:
+        return qax.materialize_nested(x, full=True) if is_leaf(x) else x
 
-    merged = jax.tree_util.tree_map(lambda x: one(x, quantize), params, is_leaf=is_leaf)
+    if quantize is not None and any(
+        isinstance(x, LoraBank) for x in jax.tree_util.tree_leaves(params, is_leaf)
+    ):
+        raise ValueError(BANK_REFUSED)
+    dense = jax.tree_util.tree_map(dense_of, params, is_leaf=is_leaf)
+    merged = dense
+    if quantize is not None:
+        merged = jax.tree_util.tree_map(
+            lambda x, d: requantized(x, d, quantize, options) if is_leaf(x) else x,
+            params,
+            dense,
+            is_leaf=is_leaf,
+        )
     if check is None:
         return merged
-    dense = (
-        merged
-        if quantize is None
-        else jax.tree_util.tree_map(lambda x: one(x, None), params, is_leaf=is_leaf)
-    )
     return merged, report(
         params, merged, dense, check, quantize, max_error, max_fraction
     )

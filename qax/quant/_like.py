@@ -48,9 +48,7 @@ def format_options(like: QuantizedWeight) -> tuple[type, dict[str, Any]]:
         k = like.ndim - nb
         shape, scale = like.shape[nb:], jnp.shape(like.scale)[nb:]
         axes = tuple(i - k for i in range(k) if scale[i] == shape[i] and shape[i] > 1)
-        options["axis"] = axes if len(axes) != 1 else axes[0]
-        if not axes:
-            options["axis"] = -1
+        options["axis"] = axes[0] if len(axes) == 1 else axes or -1
     return cls, options
 
 
