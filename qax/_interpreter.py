@@ -100,10 +100,6 @@ class ImplicitTracer(Tracer):
 class ImplicitTrace(Trace):
     """Interprets primitives on implicit arrays; see the module docstring."""
 
-    # Set once an implicit value has entered a nested transformation's trace (see
-    # `implicit_p`): from then on, bodies that hold one are interpreted even when the
-    # primitive that carries them has no implicit operand.
-    created_implicit = False
     # Whether this trace runs outside any transformation (`qax._eager.EagerTrace`).
     eager = False
 
@@ -164,7 +160,7 @@ class ImplicitTrace(Trace):
             vals.append(t)
         if not implicit:  # operands straight from `bind`: already canonical
             if not (
-                self.created_implicit
+                _implicit_p_bound
                 and primitive in _primitive_rules
                 and holds_created_implicit(params)
             ):
@@ -522,9 +518,21 @@ class _ImplicitPrimitive(Primitive):
 implicit_p = _ImplicitPrimitive("qax_implicit")
 
 
+# Whether `implicit_p` has been bound in this process. A body that binds it (an implicit
+# value created inside a nested transformation) is interpreted by its rule even when the
+# primitive that carries it has no implicit operand (`ImplicitTrace.process_primitive`);
+# until `implicit_p` has been bound once, no body can hold it, and that per-body look is
+# skipped. So it only skips work that would find nothing: no call behaves differently
+# for it, whichever calls came before. It is not per call because JAX reuses a body
+# traced by one call in later ones (its caches of `jit` traces), and not cleared by
+# `qax.clear_caches()` because those bodies outlive qax's caches.
+_implicit_p_bound = False
+
+
 def box(value: ImplicitBase) -> Any:
     """`value` as a value of the current (non-implicit) trace; see `implicit_p`."""
-    ImplicitTrace.created_implicit = True
+    global _implicit_p_bound
+    _implicit_p_bound = True
     leaves, tree = jax.tree_util.tree_flatten(value)
     return implicit_p.bind(*leaves, tree=tree, aval=value.aval)
 

@@ -152,3 +152,79 @@ def test_implicit_created_inside_control_flow_body(f):
     expected = f(x, g=_dense_version(_creates_zeros))
     assert_close(qax.use_implicit_args(f)(x), expected)
     assert_close(jax.jit(qax.use_implicit_args(f))(x), expected)
+
+
+_ORDER_SCRIPT = """
+import sys
+import jax
+import jax.numpy as jnp
+import numpy as np
+import qax
+from tests.helpers import ClosedZeros, Scaled
+
+
+def creates(x):  # builds an implicit value inside a nested jit (through implicit_p)
+    return jax.jit(lambda x: jnp.sin(ClosedZeros(shape=(3,)) * x) + x)(x)
+
+
+def plain(w, x):  # implicit argument, nothing created inside
+    return jax.jit(jnp.sin)(x) + w * x
+
+
+x = jnp.arange(1.0, 4.0)
+w = Scaled(jnp.arange(3.0), 2.0)
+programs = {
+    "creates": (creates, (x,)),
+    "plain": (plain, (w, x)),
+}
+for name in sys.argv[1:]:
+    f, args = programs[name]
+    jaxpr = jax.make_jaxpr(qax.use_implicit_args(f))(*args)
+    eager = qax.use_implicit_args(f)(*args)
+    eager_again = qax.use_implicit_args(f)(*args)
+    jitted = jax.jit(qax.use_implicit_args(f))(*args)
+    print(name, jaxpr, np.asarray(eager).tolist(), np.asarray(eager_again).tolist(),
+          np.asarray(jitted).tolist(), sep="\\n")
+    print("--")
+"""
+
+
+def test_calls_behave_the_same_in_either_order():
+    # Nothing a call leaves behind changes what a later call does: in fresh processes,
+    # a program that creates implicit values inside a nested transformation and one
+    # that does not give the same jaxprs and outputs whichever runs first.
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
+
+    def run(*order):
+        proc = subprocess.run(
+            [sys.executable, "-c", _ORDER_SCRIPT, *order],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        blocks = proc.stdout.split("--\n")[:-1]
+        return {b.split("\n", 1)[0]: b for b in blocks}
+
+    first = run("creates", "plain")
+    second = run("plain", "creates")
+    assert set(first) == {"creates", "plain"}
+    assert first == second
+    # and the outputs are the dense program's
+    x = jnp.arange(1.0, 4.0)
+    dense = {
+        "creates": jnp.sin(jnp.zeros(3) * x) + x,
+        "plain": jnp.sin(x) + 2.0 * jnp.arange(3.0) * x,
+    }
+    for name, block in first.items():
+        for line in block.strip().split("\n")[-3:]:
+            assert_close(jnp.array(json.loads(line)), dense[name])
