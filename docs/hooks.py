@@ -8,7 +8,9 @@ and, in ``guides/many-adapters.md``, the plot of ``benchmarks/results/bench_bank
 (step time against the number of distinct adapters) in place of its placeholder, as an
 inline SVG drawn here (no plotting library needed); in ``guides/lora-qlora.md``, the
 composition matrix, from the parameters of ``tests/test_composition.py`` (the page
-lists exactly the cells that test runs).
+lists exactly the cells that test runs); in ``architecture.md``, the steps of a
+primitive's route through the interpreter, from ``qax/_route.py`` (where
+``apply_primitive`` and ``qax.explain`` read them).
 """
 
 from __future__ import annotations
@@ -236,7 +238,25 @@ def _composition_table() -> str:
     return "\n".join(lines) + note
 
 
+ROUTE_PLACEHOLDER = "<!-- qax._route: steps -->"
+
+
+def route_markdown(markdown: str) -> str:
+    """`markdown` with the route's placeholder replaced by `qax._route.markdown()`,
+    indented as the placeholder is (a list nested in a list item)."""
+    from qax import _route
+
+    def steps(match):
+        indent = match.group(1)
+        return "\n".join(indent + line for line in _route.markdown().splitlines())
+
+    pattern = rf"^( *){re.escape(ROUTE_PLACEHOLDER)}$"
+    return re.sub(pattern, steps, markdown, flags=re.MULTILINE)
+
+
 def on_page_markdown(markdown, page, config, files):
+    if ROUTE_PLACEHOLDER in markdown:
+        markdown = route_markdown(markdown)
     if BANKS_PLACEHOLDER in markdown:
         markdown = markdown.replace(BANKS_PLACEHOLDER, _banks_plot())
     if COMPOSITION_PLACEHOLDER in markdown:

@@ -13,8 +13,10 @@ import jax
 import plum
 
 from . import _audit, _dispatch, _interpreter
+from ._arrival import PRODUCTS
 from ._base import ImplicitBase
 from ._compat import Primitive
+from ._fields import fields_of
 from ._report import MaterializationEvent
 
 Outcome = Literal[
@@ -60,12 +62,22 @@ class Explanation:
       swapped: whether the operands were swapped (commutative primitive, implicit
         operand second).
       candidates: every handler registered for the primitive, the chosen one first.
-      chosen: the handler that runs, or None.
+      chosen: the handler dispatch picks for these types, or None (it runs when
+        ``"handler"`` is in `route`: a stack of examples skips it).
       ambiguous: True if the best handlers tie (dispatch would raise).
       fallback: what happens, in order, if no handler applies or the chosen one returns
         `NotImplemented`.
       policies: for each implicit class among the operands, the materialization policy
         that would apply now and where it comes from.
+      route: the names of the steps of the interpreter's route (`qax._route.ROUTE`:
+        ``"swap"``, ``"arrival"``, ``"handler"``, ``"rule"``, ``"stacked"``,
+        ``"default_handler"``, ``"materialize"``) that act on these operands, in order,
+        the last being `decides` (``"arrival"`` acts in staged programs only). Empty
+        without an implicit operand.
+      decides: the step that produces the result when the handler (registered or
+        default) it runs returns one; ``""`` without an implicit operand.
+      then: the steps that follow, in order, when that handler passes (returns
+        `NotImplemented`).
     """
 
     primitive: Primitive
@@ -76,6 +88,9 @@ class Explanation:
     ambiguous: bool
     fallback: tuple[str, ...]
     policies: dict[type, tuple[str, str]]
+    route: tuple[str, ...] = ()
+    decides: str = ""
+    then: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         name = self.primitive.name
@@ -118,9 +133,18 @@ class Explanation:
                 "exactly these types."
             )
             return "\n".join(lines)
-        if self.chosen is not None:
+        handler_runs = self.chosen is not None and "handler" in self.route
+        if handler_runs:
             lines.append(f"  => {_qualname(self.chosen)} runs.")
-        first = "If it returns NotImplemented" if self.chosen else "Without a handler"
+        elif "stacked" in self.route:
+            lines.append(
+                "  => No handler runs: a stack of examples of a type that declares no "
+                "batch axes (its handlers are written for one example)."
+            )
+        steps = " -> ".join(self.route)
+        more = f"; if it passes: {' -> '.join(self.then)}" if self.then else ""
+        lines.append(f"  Route: {steps}{more} (the steps of qax._route.ROUTE)")
+        first = "If it returns NotImplemented" if handler_runs else "Without a handler"
         lines.append(f"  {first}:")
         lines.extend(f"    {i}. {step}" for i, step in enumerate(self.fallback, 1))
         return "\n".join(lines)
@@ -168,6 +192,7 @@ def explain(primitive: str | Primitive, *operand_types: Any) -> Explanation:
       ValueError: for an unknown primitive name.
     """
     primitive = _dispatch.resolve_primitive(primitive)
+    stacked = any(map(_interpreter._stacked_examples, operand_types))
     types = tuple(_as_dispatch_type(t) for t in operand_types)
     swapped = _interpreter.swaps_operands(primitive, types)
     if swapped:
@@ -192,6 +217,7 @@ def explain(primitive: str | Primitive, *operand_types: Any) -> Explanation:
     )  # stable: keeps registration order
     implicit = [t for t in dict.fromkeys(types) if _is_implicit_type(t)]
     policies = {cls: _policy_now(primitive, cls) for cls in implicit}
+    route, then = _steps(primitive, types, swapped, chosen or ambiguous, stacked)
     return Explanation(
         primitive=primitive,
         operand_types=types,
@@ -199,9 +225,36 @@ def explain(primitive: str | Primitive, *operand_types: Any) -> Explanation:
         candidates=tuple(judged),
         chosen=chosen,
         ambiguous=ambiguous,
-        fallback=_fallback(primitive, implicit, policies),
+        fallback=_fallback(primitive, implicit, policies, stacked),
         policies=policies,
+        route=route,
+        decides=route[-1] if route else "",
+        then=then,
     )
+
+
+def _steps(primitive, types, swapped, handler, stacked) -> tuple[tuple, tuple]:
+    """(route, then) of `Explanation`: the steps of `_route.ROUTE` that act on operands
+    of `types`, as `_interpreter.apply_primitive` takes them."""
+    implicit = [t for t in types if _is_implicit_type(t)]
+    if not implicit:
+        return (), ()
+    route = ["swap"] if swapped else []
+    if primitive in PRODUCTS and any(fields_of(t).stored for t in implicit):
+        route.append("arrival")
+    if primitive in _dispatch.primitive_rules:
+        rest = ["rule"]
+    elif stacked:
+        rest = ["stacked"]
+    elif _interpreter.has_default_rule(implicit[0]):
+        rest = ["default_handler", "materialize"]
+    else:
+        rest = ["materialize"]
+    if handler and not stacked:
+        route.append("handler")
+    else:
+        route.append(rest.pop(0))
+    return tuple(route), tuple(rest)
 
 
 _OUTCOME_ORDER = {
@@ -321,14 +374,19 @@ def _policy_now(primitive: Primitive, cls: type) -> tuple[str, str]:
     return _audit.decide(event)
 
 
-def _fallback(primitive, implicit, policies) -> tuple[str, ...]:
+def _fallback(primitive, implicit, policies, stacked=False) -> tuple[str, ...]:
     if primitive in _dispatch.primitive_rules:
         return (
             f"the structural rule for {primitive.name} runs its body on the implicit "
             "values (it materializes nothing itself)",
         )
     steps = []
-    if implicit:
+    if stacked:
+        steps.append(
+            "the stacked examples are materialized (as below), and the route starts "
+            "again on the result"
+        )
+    if implicit and not stacked:
         first = implicit[0]
         if _interpreter.has_default_rule(first):
             steps.append(

@@ -223,18 +223,15 @@ def apply_primitive(
 ):
     """Run `primitive` on `vals`, at least one of which is implicit.
 
-    The fallback order:
-
-    1. commutative binary primitives get the implicit operand first (unless its class
-       was created with ``commute_ops=False``);
-    2. a handler registered with `qax.primitive_handler` for the operand types; it may
-       return `NotImplemented` (or `qax.decline(reason)`) to pass;
-    3. a structural rule (jit, scan, cond, while, remat, custom_jvp, ...), which runs the
-       primitive's body on the implicit values without materializing them;
-    4. the per-type rule `cls.default_handler` of the first implicit operand's class;
-    5. materialize the implicit operands (one layer), warn, and bind the primitive.
+    The steps of `qax._route.ROUTE` (swap, arrival, handler, rule, stacked,
+    default_handler, materialize), in that order: each is marked ``# route: <name>``
+    below, where the route's description of it is. `qax.explain` reports the same
+    steps for given operands; `tests/test_explain_route.py` checks that what it reports
+    is what runs.
     """
-    if (  # `swaps_operands`, inlined (every primitive on an implicit operand runs this)
+    # route: swap (`swaps_operands`, inlined: every primitive on an implicit operand
+    # runs this)
+    if (
         len(vals) == 2
         and primitive in _COMMUTATIVE
         and not isinstance(vals[0], ImplicitBase)
@@ -242,10 +239,11 @@ def apply_primitive(
     ):
         vals = [vals[1], vals[0]]
 
+    # route: arrival
     if primitive in PRODUCTS and any(map(stored_fields, vals)):
         vals = arrived_operands(trace, vals)
     stacked, reason = any(map(_stacked_examples, vals)), None
-    if not stacked:
+    if not stacked:  # route: handler
         types = tuple(map(_dispatch.dispatch_type, vals))
         handler = _dispatch.lookup(primitive, types)
         if handler is not None:
@@ -257,33 +255,35 @@ def apply_primitive(
                 _check_result(handler, primitive, vals, params, out)
                 return out
 
-    rule = _primitive_rules.get(primitive)
+    rule = _primitive_rules.get(primitive)  # route: rule
     if rule is not None:
         return rule(trace, primitive, vals, params)
-    if stacked:
+    if stacked:  # route: stacked
         return _unstacked_apply(trace, primitive, vals, params)
 
     cls = type(next(v for v in vals if isinstance(v, ImplicitBase)))
-    if has_default_rule(cls):
+    if has_default_rule(cls):  # route: default_handler
         out = call_with_children(
             trace, cls.default_handler, primitive, *vals, params=params
         )
         if out is not NotImplemented:
             return out
+    # route: materialize
     return materialize_and_bind(trace, primitive, vals, params, reason)
 
 
 def _stacked_examples(v: Any) -> bool:
-    """Whether `v` is a stack of examples of a type that declares no batch axes."""
+    """Whether `v` is a stack of examples of a type that declares no batch axes (the
+    route's step "stacked"; `qax.explain` asks too)."""
     return isinstance(v, ImplicitBase) and bool(
         STACKED in v.__dict__ and v.__dict__.get(NB)
     )
 
 
 def _unstacked_apply(trace: ImplicitTrace, primitive: Primitive, vals, params):
-    """`apply_primitive` after materializing the operands that `vmap` stacked from
-    examples of a type that declares no batch axes: its handlers and `default_handler`
-    are written for one example."""
+    """The route's step "stacked": `apply_primitive` after materializing the operands
+    that `vmap` stacked from examples of a type that declares no batch axes: its
+    handlers and `default_handler` are written for one example."""
     dense = []
     for v in vals:
         if _stacked_examples(v):
@@ -300,7 +300,7 @@ def _unstacked_apply(trace: ImplicitTrace, primitive: Primitive, vals, params):
 
 
 def swaps_operands(primitive: Primitive, types: tuple[type, ...]) -> bool:
-    """Step 1 of `apply_primitive`: whether a commutative binary primitive gets its
+    """The route's step "swap": whether a commutative binary primitive gets its
     operands of `types` swapped, to put the implicit one first (`qax.explain` asks too)."""
     return (
         len(types) == 2
@@ -316,14 +316,14 @@ _BASE_DEFAULT_HANDLER = ImplicitBase.default_handler.__func__
 
 
 def has_default_rule(cls: type) -> bool:
-    """Step 4 of `apply_primitive`: whether `cls` overrides `default_handler`."""
+    """The route's step "default_handler": whether `cls` overrides `default_handler`."""
     return cls.default_handler.__func__ is not _BASE_DEFAULT_HANDLER
 
 
 def materialize_and_bind(
     trace: ImplicitTrace, primitive: Primitive, vals, params, reason: str | None = None
 ):
-    """Step 5 of `apply_primitive`: densify the implicit operands and run `primitive`
+    """The route's step "materialize": densify the implicit operands and run `primitive`
     (`reason`: why, for the report, when a rule gives up)."""
     dense = []
     for v in vals:
