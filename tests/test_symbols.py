@@ -674,6 +674,31 @@ def test_jvp_tangent_at_weak_implicit_keeps_weak_type(jit):
     assert_close(got, expected)
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_jvp_tangent_given_as_a_numpy_scalar_keeps_the_primal_weak_type(jit):
+    # A concrete scalar tangent of a `jnp` function (`-t`, inline) is baked into the
+    # re-traced body: it takes the weak type the body declares for it, as under the
+    # dense program (it was strong, and so was everything after it: the reshape, the
+    # cond, the product with bf16).
+    bf16 = jnp.ones(1, jnp.bfloat16)
+
+    def f(w):
+        _, tangent = jax.jvp(lambda t: -t, (w,), (np.array(0.75, np.float32),))
+        out = lax.cond(True, lambda a: a, lambda a: a * 2, tangent.reshape((1,)))
+        return out, out * bf16
+
+    w = SymbolicConstant(0.0, shape=())
+    assert w.aval.weak_type
+    run = qax.use_implicit_args(f)
+    if jit:
+        run = jax.jit(run)
+    (got, got_bf16), (want, want_bf16) = run(w), f(dense(w))
+    assert jax.typeof(want).weak_type and want_bf16.dtype == jnp.bfloat16
+    assert jax.typeof(got) == jax.typeof(want)
+    assert got_bf16.dtype == want_bf16.dtype
+    assert_close(got, want)
+
+
 # ----------------------------------------------------------------------------------------
 # Symbolic scalars as control values
 

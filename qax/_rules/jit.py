@@ -62,6 +62,11 @@ def _jit_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list
     closed = params["jaxpr"]
     inline = is_inline_jit(params)
     baked = _scalar_literals(vals) if inline else {}
+    for i, v in baked.items():  # as weak as the body declares them (the tangent
+        # inputs of a differentiated `jnp` function are as weak as its primal inputs)
+        if closed.in_avals[i].weak_type and not typeof(v).weak_type:
+            with eval_context():
+                baked[i] = weakly_typed(v)
     dynamic = [v for i, v in enumerate(vals) if i not in baked]
     # Bytes, not values: 0.0 and -0.0 are equal but fold differently.
     scalars = tuple((i, np.asarray(v).tobytes(), typeof(v)) for i, v in baked.items())
