@@ -699,6 +699,54 @@ def test_jvp_tangent_given_as_a_numpy_scalar_keeps_the_primal_weak_type(jit):
     assert_close(got, want)
 
 
+def _jvp_scan(t):
+    return lax.scan(lambda c, _: (jnp.sin(c), None), t, None, length=2)[0]
+
+
+def _jvp_scan_xs(t):
+    xs = jnp.broadcast_to(t, (2, *jnp.shape(t)))
+    return lax.scan(lambda c, x: (c + x, 2 * x), jnp.zeros_like(t), xs)
+
+
+def _jvp_fori(t):
+    return lax.fori_loop(0, 2, lambda i, c: jnp.sin(c), t)
+
+
+def _jvp_while(t):
+    body = lambda c: (c[0] + 1, jnp.sin(c[1]))  # noqa: E731
+    return lax.while_loop(lambda c: c[0] < 2, body, (0, t))[1]
+
+
+# (a carry's constant changes its value: materialized before the loop, with a warning)
+@pytest.mark.filterwarnings("ignore::qax.MaterializationWarning")
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("shape", [(), (3,)], ids=["scalar", "vector"])
+@pytest.mark.parametrize(
+    "loop", [_jvp_scan, _jvp_scan_xs, _jvp_fori, _jvp_while], ids=lambda f: f.__name__
+)
+def test_jvp_of_a_loop_at_weak_implicit_keeps_the_tangent_weak(loop, shape, jit):
+    # The differentiated loop's tangent operands (a strong tangent) are bound to a body
+    # that declares them as weak as the primal ones: its outputs are weak, as under
+    # the dense program (qax traced the body with the strong operands).
+    bf16 = jnp.ones(shape, jnp.bfloat16)
+
+    def f(w):
+        t = jnp.full(jnp.shape(w), 0.75, jnp.float32)
+        _, tangent = jax.jvp(loop, (w,), (t,))
+        return tangent, jax.tree_util.tree_map(lambda x: x * bf16, tangent)
+
+    w = SymbolicConstant(0.5, shape=shape)
+    assert w.aval.weak_type
+    run = qax.use_implicit_args(f)
+    if jit:
+        run = jax.jit(run)
+    got, want = run(w), f(dense(w))
+    for g, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        assert jax.typeof(g) == jax.typeof(e)
+        assert_close(g, e)
+    assert all(jax.typeof(e).weak_type for e in jax.tree_util.tree_leaves(want[0]))
+
+
 # ----------------------------------------------------------------------------------------
 # Symbolic scalars as control values
 

@@ -30,6 +30,7 @@ from .._compat import (
     scan_params,
     set_current_trace,
     typeof,
+    weakly_typed,
 )
 from .._entry import densify
 from .._fields import stackable
@@ -257,6 +258,7 @@ def _stackable_ys(n_carry: int, loop: str) -> Callable[[list], list]:
 def _scan_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list:
     n_consts, n_carry = scan_operand_counts(params)
     length = params["length"]
+    vals = _as_weak_as_declared(trace, vals, params["jaxpr"].in_avals)
     consts = vals[:n_consts]
     init = vals[n_consts : n_consts + n_carry]
     xs = [_scannable(trace, x) for x in vals[n_consts + n_carry :]]
@@ -301,8 +303,25 @@ def _scan_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> lis
 _dispatch.primitive_rules[jax.lax.scan_p] = _scan_rule
 
 
+def _as_weak_as_declared(trace: ImplicitTrace, vals: list, declared: list) -> list:
+    """`vals`, a loop's operands, with the plain ones as weak as the loop's body
+    declares them: JAX runs a body whose inputs are weaker than its operands (the
+    tangent carry of a differentiated loop is as weak as its primal carry), and its
+    outputs keep that weak type."""
+    out = list(vals)
+    for i, (v, d) in enumerate(zip(vals, declared, strict=True)):
+        if d.weak_type and not isinstance(v, ImplicitBase):
+            aval = typeof(v)
+            if not aval.weak_type and aval.dtype == d.dtype:
+                with set_current_trace(trace.parent_trace):
+                    out[i] = weakly_typed(v)
+    return out
+
+
 def _while_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list:
     n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
+    declared = params["cond_jaxpr"].in_avals[:n_cond] + params["body_jaxpr"].in_avals
+    vals = _as_weak_as_declared(trace, vals, declared)
     cond_consts = vals[:n_cond]
     body_consts = vals[n_cond : n_cond + n_body]
     init = vals[n_cond + n_body :]
