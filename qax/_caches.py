@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from . import (
     _batching,
+    _bodies,
     _dispatch,
     _eager,
     _implicit_array,
@@ -19,7 +20,6 @@ from . import (
     _mutable,
     symbols,
 )
-from ._rules import _staging
 from .qat import _fake as _qat_fake
 from .qat import _params as _qat_params
 
@@ -28,7 +28,7 @@ _CLEARS: tuple[Callable[[], None], ...] = (
     _interpreter.clear_caches,
     _mutable.clear_caches,
     _eager.clear_caches,
-    _staging.clear_caches,
+    _bodies.clear_caches,
     _batching.clear_caches,
     _implicit_array.clear_caches,
     # `qax.symbols` is at the module-size limit, so its caches are named here (they are

@@ -25,13 +25,13 @@ import dataclasses
 import operator
 import os
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
-from ._base import ImplicitBase, quiet_materialization
+from . import _bodies
+from ._base import ImplicitBase
 from ._compat import (
     ArrayImpl,
     ClosedJaxpr,
@@ -40,6 +40,7 @@ from ._compat import (
     TraceTag,
     bind_canonical,
     current_trace,
+    eval_context,
     init_tracer,
     is_eval_trace,
     jaxpr_as_fun,
@@ -48,10 +49,11 @@ from ._compat import (
     primitives_module,
     set_current_trace,
     typeof,
+    weakly_typed,
 )
-from ._dispatch import generation, primitive_rules
+from ._dispatch import primitive_rules
 from ._interpreter import ImplicitTag, ImplicitTrace, ImplicitTracer, apply_primitive
-from ._report import holding_reports, recording, replay
+from ._report import recording
 
 ENABLED = os.environ.get("QAX_EAGER_FAST_PATHS", "1") != "0"
 
@@ -62,63 +64,35 @@ _JIT = primitives_module.jit_p
 #
 # Eagerly, an operation on implicit operands costs its handler's Python (and each `jnp`
 # call inside it) on every call; an operator (``t * x``) first costs JAX's staging of
-# its `jnp` function. The first time an operation is seen with a signature (operand
-# structure, leaf types, baked scalars, handler registrations), it runs the ordinary
-# way and what it materialized and returned is noted. The second time, it is traced
-# once on abstract leaves, as under `jit`, and compiled, unless tracing changes what it
-# does (a handler that reads concrete values fails or answers otherwise): then it keeps
-# the ordinary path. Later calls under the same JAX configuration run the compiled
-# program; they report its materializations again (`replay`), and a result that goes
+# its `jnp` function. An operation is keyed by its signature (operand structure, leaf
+# types, baked scalars) in `qax._bodies`, which decides when it is compiled: the first
+# time it runs the ordinary way and what it materialized and returned is noted; the
+# second time it is traced once on abstract leaves, as under `jit`, and compiled,
+# unless tracing changes what it does (a handler that reads concrete values fails or
+# answers otherwise): then it keeps the ordinary path. Later calls run the compiled
+# program (`_bodies.ready` reports its materializations again), and a result that goes
 # on to another lane stays leaves (`LaneTracer`).
 
-# key -> `_Seen`, `_Lane` or `_NO_LANE`.
-_lanes: dict[tuple, Any] = {}
 # (tree, leaf types) of an implicit operand -> one object standing for it, so that the
-# keys of `_lanes` hash and compare fast.
+# keys of lanes hash and compare fast.
 _signatures: dict[tuple, object] = {}
-_LANE_LIMIT = 4096
 _SCALARS = (bool, int, float, complex)
-_NO_LANE = object()
-
-
-class _Seen:
-    """An operation seen once: what its ordinary run materialized and returned."""
-
-    __slots__ = ("events", "trees")
-
-    def __init__(self):
-        self.events: list = []
-        self.trees: list | None = None  # one tree per output, once the run returned
-
-    def noted(self, outs: list) -> None:
-        """Note the output values (or this trace's tracers) of the ordinary run."""
-        self.trees = [
-            jax.tree_util.tree_structure(
-                o.value if isinstance(o, ImplicitTracer) else o
-            )
-            for o in outs
-        ]
 
 
 class _Lane:
-    """A compiled eager operation: its program, the JAX configuration it was traced
-    under, how its outputs are rebuilt, the materializations it reports."""
+    """A compiled eager operation: its program, and how its outputs are rebuilt."""
 
-    __slots__ = ("compiled", "context", "trees", "outputs", "events")
+    __slots__ = ("compiled", "trees", "outputs")
 
-    def __init__(self, compiled, context, trees, events):
+    def __init__(self, compiled, trees):
         self.compiled = compiled
-        self.context = context
         self.trees = trees  # per output: (tree, number of leaves)
         # Per output: (tree or None for an array, number of leaves, signature, aval);
         # known after the first run.
         self.outputs = None
-        self.events = events
 
     def run(self, leaves: list) -> tuple[list, list]:
         """(`outputs`, flat results) of the program on `leaves`."""
-        if self.events:
-            replay(self.events)
         outs = self.compiled(*leaves)
         if self.outputs is None:
             self.outputs = _outputs(self.trees, outs)
@@ -171,6 +145,8 @@ def operand(x: Any) -> tuple | None:
     except TypeError:  # unhashable aux data
         return None
     if signature is None:
+        if len(_signatures) >= _bodies.LIMIT:
+            _signatures.clear()
         signature = _signatures[key] = object()
     return signature, leaves
 
@@ -183,46 +159,55 @@ def _tracer_operand(t: ImplicitTracer) -> tuple | None:
 
 
 def run_lane(
-    trace: EagerTrace, head: tuple, operands: list, vals: list, run: Callable
-) -> Any:
-    """The lane of an operation, if it has one: (its `outputs`, its flat results).
+    trace: EagerTrace,
+    head: tuple,
+    operands: list,
+    vals: list,
+    run: Callable,
+    ordinary: Callable[[], list],
+    parent: bool = False,
+) -> list:
+    """The results of an operation (values of `trace`): its lane's, if it has one, else
+    `ordinary()`'s.
 
-    Otherwise a `_Seen` on the operation's first sighting (the caller runs it the
-    ordinary way inside `recording(seen.events)` and calls `seen.noted`), else
-    `_NO_LANE`. `head` names the operation (with the values baked into it);
-    `operands` are the `operand`s of `vals` (values, or this trace's tracers); `run`
-    performs the operation on values with `sub` (an `ImplicitTrace`) current and
-    returns a list of values.
+    `head` names the operation (with the values baked into it); `operands` are the
+    `operand`s of `vals` (values, or this trace's tracers); `run` performs the
+    operation on values with `sub` (an `ImplicitTrace`) current and returns a list of
+    values; `ordinary` performs it the ordinary way and returns a list of results.
+    With `parent`, the lane runs with the parent trace current (`jax.jit`'s C++ path
+    needs it for an operator).
     """
-    key = (head, quiet_materialization.get(), generation[0], *[o[0] for o in operands])
-    try:
-        lane = _lanes.get(key)
-    except TypeError:  # unhashable parameters
-        return _NO_LANE
-    if lane is None:
-        if len(_lanes) >= _LANE_LIMIT:
-            _lanes.clear()
-            _signatures.clear()
-        seen = _lanes[key] = _Seen()
-        return seen
-    if lane is _NO_LANE:
-        return _NO_LANE
+    key = (head, *_bodies.state(), *[o[0] for o in operands])
+    sighting, first = _bodies.sight(key)
+    if sighting is None:
+        return ordinary()
+    if first:
+        with recording(sighting.events):
+            outs = ordinary()
+        sighting.note = [
+            jax.tree_util.tree_structure(
+                o.value if isinstance(o, ImplicitTracer) else o
+            )
+            for o in outs
+        ]
+        return outs
     leaves = [leaf for o in operands for leaf in o[1]]
-    context = jit_context()
-    if type(lane) is _Seen:
-        if lane.trees is None or jax.config.jax_disable_jit:
-            return _NO_LANE
-        lane = _lanes[key] = _build_lane(trace, leaves, vals, run, context, lane)
-        if lane is _NO_LANE:
-            return _NO_LANE
-    if lane.context != context:
-        return _NO_LANE
-    return lane.run(leaves)
+    if sighting.body is None and not sighting.refused:
+        if sighting.note is None or jax.config.jax_disable_jit:
+            return ordinary()
+        _build_lane(trace, sighting, leaves, vals, run)
+    lane = _bodies.ready(sighting)
+    if lane is None:
+        return ordinary()
+    if parent:
+        with set_current_trace(trace.parent_trace):
+            return trace.wrap_lane(*lane.run(leaves))
+    return trace.wrap_lane(*lane.run(leaves))
 
 
-def _build_lane(trace, leaves, vals, run, context, seen: _Seen) -> Any:
-    """Trace `run` on abstract `leaves` (materializations held) and compile it: a
-    `_Lane`, or `_NO_LANE` if it cannot be traced or does other than `seen` noted."""
+def _build_lane(trace, sighting: _bodies.Sighting, leaves, vals, run) -> None:
+    """Trace `run` on abstract `leaves` (materializations held) and compile it, into
+    `sighting`; refuse it if it cannot be traced or does other than first noted."""
     vals = [v.value if isinstance(v, ImplicitTracer) else v for v in vals]
     tree = jax.tree_util.tree_structure(vals)
     trees = []
@@ -238,18 +223,20 @@ def _build_lane(trace, leaves, vals, run, context, seen: _Seen) -> Any:
             flat_outs.extend(out_leaves)
         return flat_outs
 
-    events: list = []
     try:
-        with holding_reports(events), set_current_trace(trace.parent_trace):
+        with _bodies.speculative() as events, set_current_trace(trace.parent_trace):
             closed = jax.make_jaxpr(flat)(*leaves)
     except Exception:  # noqa: BLE001 (not traceable: the ordinary path decides)
-        return _NO_LANE
-    if [t for t, _ in trees] != seen.trees or _sourceless(events) != _sourceless(
-        seen.events
+        sighting.refused = True
+        return
+    if [t for t, _ in trees] != sighting.note or _sourceless(events) != _sourceless(
+        sighting.events
     ):
-        return _NO_LANE
-    compiled = forwarding(closed) or compile_jaxpr(closed)
-    return _Lane(compiled, context, trees, events)
+        sighting.refused = True
+        return
+    sighting.body = _Lane(compile_jaxpr(closed), trees)
+    sighting.events = events
+    sighting.context = jit_context()
 
 
 def _sourceless(events: list) -> list:
@@ -274,46 +261,23 @@ def _operator(name: str) -> Callable:
 
 
 class EagerTracer(ImplicitTracer):
-    """An `ImplicitTracer` of an `EagerTrace`: its operators run through lanes."""
+    """An `ImplicitTracer` of an `EagerTrace`: its operators (`_OPERATORS`) run
+    through lanes."""
 
     __slots__ = ()
+    __hash__ = None  # (as a class that defines `__eq__` in its body gets)
 
-    __add__ = _operator("add")
-    __radd__ = _operator("radd")
-    __sub__ = _operator("sub")
-    __rsub__ = _operator("rsub")
-    __mul__ = _operator("mul")
-    __rmul__ = _operator("rmul")
-    __truediv__ = _operator("truediv")
-    __rtruediv__ = _operator("rtruediv")
-    __floordiv__ = _operator("floordiv")
-    __rfloordiv__ = _operator("rfloordiv")
-    __mod__ = _operator("mod")
-    __rmod__ = _operator("rmod")
-    __pow__ = _operator("pow")
-    __rpow__ = _operator("rpow")
-    __matmul__ = _operator("matmul")
-    __rmatmul__ = _operator("rmatmul")
-    __and__ = _operator("and")
-    __rand__ = _operator("rand")
-    __or__ = _operator("or")
-    __ror__ = _operator("ror")
-    __xor__ = _operator("xor")
-    __rxor__ = _operator("rxor")
-    __lshift__ = _operator("lshift")
-    __rlshift__ = _operator("rlshift")
-    __rshift__ = _operator("rshift")
-    __rrshift__ = _operator("rrshift")
-    __lt__ = _operator("lt")
-    __le__ = _operator("le")
-    __gt__ = _operator("gt")
-    __ge__ = _operator("ge")
-    __eq__ = _operator("eq")
-    __ne__ = _operator("ne")
-    __neg__ = _operator("neg")
-    __pos__ = _operator("pos")
-    __abs__ = _operator("abs")
-    __invert__ = _operator("invert")
+
+_OPERATORS = tuple(
+    """
+add radd sub rsub mul rmul truediv rtruediv floordiv rfloordiv mod rmod pow rpow
+matmul rmatmul and rand or ror xor rxor lshift rlshift rshift rrshift lt le gt
+ge eq ne neg pos abs invert
+""".split()
+)
+for _name in _OPERATORS:
+    setattr(EagerTracer, f"__{_name}__", _operator(_name))
+del _name
 
 
 class EagerTrace(ImplicitTrace):
@@ -335,29 +299,28 @@ class EagerTrace(ImplicitTrace):
         if primitive not in primitive_rules:  # (structural rules have their own paths)
             for t in tracers:
                 if isinstance(t, (ImplicitTracer, ImplicitBase)):
-                    found = self._lane_primitive(primitive, tracers, params)
-                    if type(found) is _Seen:
-                        with recording(found.events):
-                            out = super().process_primitive(primitive, tracers, params)
-                        found.noted(out if primitive.multiple_results else [out])
-                        return out
-                    if found is not _NO_LANE:
-                        return found
-                    break
+                    return self._lane_primitive(primitive, tracers, params)
         return super().process_primitive(primitive, tracers, params)
 
     def _lane_primitive(self, primitive, tracers, params):
         """`primitive` on `tracers` through the lane of its signature, if any."""
+
+        def ordinary():
+            out = ImplicitTrace.process_primitive(self, primitive, tracers, params)
+            return out if primitive.multiple_results else [out]
+
         vals, operands = [], []
         for t in tracers:
             if isinstance(t, ImplicitTracer):
                 if t.owner.tag is not self.tag:
-                    return _NO_LANE
+                    return ImplicitTrace.process_primitive(
+                        self, primitive, tracers, params
+                    )
                 found = _tracer_operand(t)
             else:
                 found = operand(t)
             if found is None:
-                return _NO_LANE
+                return ImplicitTrace.process_primitive(self, primitive, tracers, params)
             vals.append(t)
             operands.append(found)
         head = (primitive, tuple(params.items()))  # (unhashable: `run_lane` refuses)
@@ -366,13 +329,10 @@ class EagerTrace(ImplicitTrace):
             out = apply_primitive(sub, primitive, vals, params)
             return out if primitive.multiple_results else [out]
 
-        found = run_lane(self, head, operands, vals, run)
-        if found is _NO_LANE or type(found) is _Seen:
-            return found
-        outs = self._wrap_lane(*found)
+        outs = run_lane(self, head, operands, vals, run, ordinary)
         return outs if primitive.multiple_results else outs[0]
 
-    def _wrap_lane(self, outputs: list, outs: list) -> list:
+    def wrap_lane(self, outputs: list, outs: list) -> list:
         """The results of a lane run as values of this trace, from its flat `outs`."""
         results, start = [], 0
         for tree, n, signature, aval in outputs:
@@ -427,16 +387,11 @@ class EagerTrace(ImplicitTrace):
             ]
             return [jax_method(*ins)]
 
-        with set_current_trace(self.parent_trace):  # (jax.jit's C++ path needs it)
-            found = run_lane(self, (name, *pattern), operands, vals, run)
-        if type(found) is _Seen:
-            with recording(found.events):
-                out = jax_method(tracer, *args)
-            found.noted([out])
-            return out
-        if found is _NO_LANE:
-            return jax_method(tracer, *args)
-        return self._wrap_lane(*found)[0]
+        def ordinary():
+            return [jax_method(tracer, *args)]
+
+        head = (name, *pattern)
+        return run_lane(self, head, operands, vals, run, ordinary, parent=True)[0]
 
 
 class LaneTracer(EagerTracer):
@@ -475,15 +430,28 @@ _JIT_PARAMS = (
     "compiler_options_kvs",
 )
 _jit_params = operator.itemgetter(*_JIT_PARAMS)
-# id(jaxpr) -> (weak reference to it, the parameters it was last bound with, its
-# compiled form, None, or `_SEEN_ONCE`). A plain dict: this runs on every eager `jnp`
-# call, and a `WeakKeyDictionary` lookup costs more than the rest.
-_eager_jits: dict[int, tuple] = {}
 
 
 def compile_jaxpr(closed: Any, keep_unused: bool = False) -> Callable:
-    """`closed` as a `jax.jit`-compiled function of its inputs (returns a list)."""
-    return jax.jit(jaxpr_as_fun(closed), keep_unused=keep_unused)
+    """`closed` as a compiled function of its inputs (returns a list).
+
+    A `jax.jit` of it, or the function that picks its outputs if it has no equations
+    (`forwarding`). Inputs given stronger than the body declares them (a body traced
+    with weak inputs) are weakened first, as the body sees them.
+    """
+    run = forwarding(closed) or jax.jit(jaxpr_as_fun(closed), keep_unused=keep_unused)
+    weak = [a.weak_type for a in closed.in_avals]
+    if not any(weak):
+        return run
+    return lambda *leaves: run(*map(_weaken, leaves, weak))
+
+
+def _weaken(x: Any, weak: bool) -> Any:
+    """`x`, weakly typed if `weak` (as a body traced for a weak input sees it)."""
+    if not weak or typeof(x).weak_type:
+        return x
+    with eval_context():  # (eagerly called: inside a `bind`, JAX > 0.10 has no trace)
+        return weakly_typed(x)
 
 
 def forwarding(closed: ClosedJaxpr) -> Callable | None:
@@ -520,40 +488,22 @@ def eager_jit(params: dict) -> Callable | None:
     other than the defaults (shardings, donation, layouts, a mesh, compiler options).
     """
     closed = params["jaxpr"]
-    key = id(closed)
     seen = _jit_params(params)
-    entry = _eager_jits.get(key)
-    if entry is not None and entry[0]() is closed and entry[1] == seen:
-        compiled = entry[2]
-        if compiled is not _SEEN_ONCE:
-            return compiled
-        compiled = None
+    sighting, first = _bodies.sight(id(closed), closed)
+    if first or sighting.note != seen:  # (a first sighting with these parameters)
+        sighting.note, sighting.body, sighting.refused = seen, None, False
+        return None
+    if sighting.body is None and not sighting.refused:
         if jit_params_are_default(params):
-            compiled = compile_jaxpr(closed, params["keep_unused"])
-    else:
-        compiled = _SEEN_ONCE
-    _eager_jits[key] = (weakref.ref(closed, _forget(key)), seen, compiled)
-    return None if compiled is _SEEN_ONCE else compiled
-
-
-def _forget(key: int, entries: dict = _eager_jits) -> Callable:
-    # `entries` is bound now: at interpreter exit module globals are already gone.
-    def callback(ref):
-        entry = entries.get(key)
-        if entry is not None and entry[0] is ref:
-            del entries[key]
-
-    return callback
-
-
-_SEEN_ONCE = object()
+            sighting.body = compile_jaxpr(closed, params["keep_unused"])
+        else:
+            sighting.refused = True
+    return _bodies.ready(sighting)
 
 
 def clear_caches() -> None:
-    """Forget every lane, operand signature and compiled eager `jit`."""
-    _lanes.clear()
+    """Forget every operand signature (`qax._bodies` keeps the lanes and eager jits)."""
     _signatures.clear()
-    _eager_jits.clear()
 
 
 # ----------------------------------------------------------------------------------------

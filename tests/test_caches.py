@@ -13,9 +13,9 @@ import pytest
 from jax import lax
 
 import qax
-from qax import _implicit_array
+from qax import _implicit_array, _report
 from qax.symbols import SymbolicConstant
-from tests.helpers import assert_close, make_lora
+from tests.helpers import Scaled, assert_close, make_lora, materializations
 
 # Module-level containers that are not caches: registries, rule tables, constants.
 # `qax.clear_caches` must leave them as they are.
@@ -154,9 +154,9 @@ def test_clear_caches_empties_every_module_level_cache():
     for name in (
         "qax._dispatch._cache",
         "qax._interpreter._expected_cache",
-        "qax._eager._lanes",
-        "qax._eager._eager_jits",
-        "qax._rules._staging._cache",
+        "qax._bodies._sightings",
+        "qax._eager._signatures",
+        "qax._bodies._staged",
         "qax.symbols._avals",
     ):
         assert name in full, f"the warm-up did not fill {name}"
@@ -239,3 +239,44 @@ def test_no_body_staged_before_clear_caches_runs_after_it():
 def test_clear_caches_is_public(name):
     assert name in qax.__all__
     assert getattr(qax, name).__doc__
+
+
+# ----------------------------------------------------------------------------------------
+# The staged-body cache (`qax._bodies`): what a reused body does
+
+
+def _sin_everywhere(w, x):
+    y = jax.jit(jnp.sin)(w) + x  # `Scaled` has no `sin` handler: materialized
+    y = lax.cond(x.sum() > 0, jnp.cos, jnp.sin, w) + y
+    return lax.scan(lambda c, r: (c + jnp.sin(r), None), x, w)[0] + y
+
+
+def test_reused_bodies_report_on_every_call():
+    # Eagerly, the jit, cond and scan bodies are staged once and then reused (the jit
+    # compiled); their materializations are reported on every call all the same.
+    w = Scaled(jnp.arange(6.0).reshape(2, 3), 2.0)
+    x = jnp.arange(3.0)
+    dense = _sin_everywhere(w.materialize(), x)
+    f = qax.use_implicit_args(_sin_everywhere)
+    counts = []
+    for _ in range(4):
+        with materializations() as found:
+            assert_close(f(w, x), dense)
+        counts.append(len(found))
+    assert counts[0] >= 3, counts  # one per body at least
+    assert counts == [counts[0]] * 4, counts
+
+
+def test_a_body_staged_quietly_reports_when_reused_loudly():
+    # Quiet mode (qax's own bookkeeping) is part of a body's key: a body staged quietly
+    # recorded no reports, and is not the one a later, reported call reuses.
+    w = Scaled(jnp.arange(3.0), 2.0)
+    g = jax.jit(lambda w: jnp.sin(w) * 2.0)
+    f = qax.use_implicit_args(g)
+    with _report.quietly(), materializations() as found:
+        assert_close(f(w), jnp.sin(w.materialize()) * 2.0)
+    assert not found
+    for _ in range(3):
+        with materializations() as found:
+            assert_close(f(w), jnp.sin(w.materialize()) * 2.0)
+        assert len(found) == 1, found

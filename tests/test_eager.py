@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import qax
-from qax import _eager
+from qax import _bodies, _eager
 from qax.symbols import SymbolicConstant
 from tests.helpers import (
     ClosedZeros,
@@ -55,9 +55,9 @@ def _thrice(f, *args):
 def _lanes(head) -> list:
     """The compiled lanes whose operation is `head` (a primitive or an operator name)."""
     return [
-        lane
-        for key, lane in _eager._lanes.items()
-        if key[0][0] == head and isinstance(lane, _eager._Lane)
+        sighting.body
+        for sighting in _states(head)
+        if isinstance(sighting.body, _eager._Lane)
     ]
 
 
@@ -212,10 +212,10 @@ def test_eager_caches_do_not_grow_over_calls():
     z = Zeros(shape=(3,))
     for _ in range(3):
         f_implicit(lora, x, z)
-    sizes = (len(_eager._eager_jits), len(_eager._lanes))
+    sizes = len(_bodies.sightings())
     for _ in range(20):
         f_implicit(lora, x, z)
-    assert (len(_eager._eager_jits), len(_eager._lanes)) == sizes
+    assert len(_bodies.sightings()) == sizes
 
 
 def test_effects_inside_jits_run_on_every_call(capsys):
@@ -465,7 +465,7 @@ _SWITCHED_OFF = """
 import warnings
 import jax, jax.numpy as jnp, numpy as np
 import qax
-from qax import _compat, _eager
+from qax import _bodies, _compat, _eager
 from tests.helpers import LoraMatrix, make_lora
 
 warnings.simplefilter("error", qax.MaterializationWarning)
@@ -482,7 +482,7 @@ got = qax.use_implicit_args(f)(lora, x)
 want = f(lora.materialize(), x)
 np.testing.assert_allclose(got, want, rtol=1e-5)
 assert seen[0] == "ImplicitTrace", seen
-assert not _eager._eager_jits and not _eager._lanes
+assert not _bodies.sightings()
 print("ok")
 """
 
@@ -510,8 +510,12 @@ def test_the_fast_paths_switch_off():
 
 
 def _states(head) -> list:
-    """What the lane table holds for the operation `head`."""
-    return [lane for key, lane in _eager._lanes.items() if key[0][0] == head]
+    """The sightings of the operation `head` (its lanes, compiled or not)."""
+    return [
+        sighting
+        for key, sighting in _bodies.sightings().items()
+        if isinstance(key, tuple) and key[0][0] == head
+    ]
 
 
 def test_primitive_lane_matches_dense_and_stays_implicit():
@@ -554,7 +558,7 @@ def test_handler_that_reads_values_keeps_the_ordinary_path():
             got = f(d, x)
             assert isinstance(got, PeekingDoubled) == bool(jnp.all(x >= 0))
             assert_close(qax.materialize_nested(got, full=True), 2 * X * x)
-    assert _eager._NO_LANE in _states(jax.lax.mul_p)
+    assert any(sighting.refused for sighting in _states(jax.lax.mul_p))
 
 
 def test_lane_refused_where_tracing_changes_what_handlers_do():

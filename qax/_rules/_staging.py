@@ -1,28 +1,25 @@
 """Machinery shared by the structural rules of `qax._rules`.
 
-Staging a body on implicit values (`trace_body`, `TracedBody`), the cache of staged
-bodies and plans (`_signature`, `_cached`, `_store`), materializing with a reason,
-parameters expanded per leaf (`_per_leaf`) and the shardings of leaves
-(`_leaf_shardings`), and the `_Outputs` record shared by the wrappers of a function
-that JAX hands over as a `WrappedFun`.
+Staging a body on implicit values (`trace_body`, `TracedBody`; `qax._bodies` keeps
+what is staged), materializing with a reason, parameters expanded per leaf
+(`_per_leaf`) and the shardings of leaves (`_leaf_shardings`), and the `_Outputs`
+record shared by the wrappers of a function that JAX hands over as a `WrappedFun`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from .. import _dispatch, _errors
+from .. import _errors
 from .._base import ImplicitBase
 from .._compat import (
     UNSPECIFIED,
-    ArrayImpl,
     ClosedJaxpr,
     Tracer,
     convert_constvars_jaxpr,
@@ -187,38 +184,6 @@ def _hoisted(traced: TracedBody) -> tuple[ClosedJaxpr, list]:
         ClosedJaxpr(convert_constvars_jaxpr(traced.jaxpr.jaxpr), ()),
         list(traced.jaxpr.consts),
     )
-
-
-# Re-traced bodies and plans, per original jaxpr, per input signature and handler
-# generation. Nothing cached holds a tracer (see `TracedBody.cacheable`).
-_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _signature(vals: Sequence, *extra: Any) -> tuple[tuple, list]:
-    """The cache key of a body over `vals` (with `extra`), and their flat leaves."""
-    flat, tree = flatten_values(vals)
-    return (*extra, tree, tuple(map(_leaf_type, flat)), _dispatch.generation[0]), flat
-
-
-def _leaf_type(x: Any) -> Any:
-    """What determines `typeof(x)` (computed directly for eager arrays: cheaper)."""
-    if type(x) is ArrayImpl:
-        return x.aval, x.sharding
-    return typeof(x)
-
-
-def _cached(anchor: Any, key: tuple) -> Any:
-    return _cache.get(anchor, {}).get(key)
-
-
-def _store(anchor: Any, key: tuple, value: Any, bodies: Sequence[TracedBody]) -> None:
-    if all(body.cacheable for body in bodies):
-        _cache.setdefault(anchor, {})[key] = value
-
-
-def clear_caches() -> None:
-    """Forget every re-traced body and plan."""
-    _cache.clear()
 
 
 # ----------------------------------------------------------------------------------------

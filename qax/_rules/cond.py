@@ -12,22 +12,14 @@ from typing import Any
 
 import jax
 
-from .. import _dispatch, _errors
+from .. import _bodies, _dispatch, _errors
 from .._base import ImplicitBase
 from .._compat import bind_with_trace, merge_common_consts, separate_consts
 from .._entry import densify
 from .._interpreter import ImplicitTrace
-from .._report import holding_reports, replay
 from .._structure import common_structure_paths, describe, materialize_at, value_at
 from . import _staging
-from ._staging import (
-    _cached,
-    _densify_parent,
-    _jaxpr_body,
-    _path_name,
-    _signature,
-    _store,
-)
+from ._staging import _densify_parent, _jaxpr_body, _path_name
 
 
 @dataclasses.dataclass
@@ -44,13 +36,12 @@ def _cond_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> lis
     index, *ops = vals
     index = _densify_parent(trace, index, primitive.name)
     branches = params["branches"]
-    key, flat_ops = _signature(ops, branches[1:])
-    plan = _cached(branches[0], key)
+    key, flat_ops = _bodies.signature(ops, branches[1:])
+    plan = _bodies.reuse(branches[0], key)
     if plan is None:
         plan, traced = _plan_cond(trace, branches, ops)
-        _store(branches[0], key, plan, traced)
-    else:
-        replay(plan.events)
+        cacheable = all(t.cacheable for t in traced)
+        _bodies.keep(branches[0], key, plan, plan.events, cacheable)
     outs = bind_with_trace(
         trace.parent_trace,
         primitive,
@@ -89,8 +80,7 @@ def _plan_cond(trace: ImplicitTrace, branches: Sequence, ops: list):
         def fix(outs):
             return materialize_at(outs, paths, densify_path)
 
-        held: list = []
-        with holding_reports(held):
+        with _bodies.speculative() as held:
             for i, branch in enumerate(branches):
                 if any(
                     isinstance(value_at(skeletons[i], p), ImplicitBase) for p in paths
@@ -103,9 +93,7 @@ def _plan_cond(trace: ImplicitTrace, branches: Sequence, ops: list):
                         declared=branch.in_avals,
                         fix_outs=fix,
                     )
-        new_events = [e for e in held if e not in events]
-        replay(new_events)
-        events += new_events
+        _bodies.commit(held, events)
     split = [separate_consts(t.jaxpr) for t in traced]
     jaxprs, consts = merge_common_consts([j for j, _ in split], [c for _, c in split])
     return _CondPlan(traced[0].out_tree, tuple(jaxprs), list(consts), events), traced

@@ -1,8 +1,8 @@
 """Rules for `jit` and `checkpoint` (`remat`): bodies re-traced on implicit values.
 
 A body is staged over the leaves of its implicit operands, once per input signature
-(cached, see `_staging`), and the primitive is bound again on the leaves, so the parent
-sees one unit. Eager calls of a cached `jnp` wrapper run its compiled body directly.
+(kept by `qax._bodies`), and the primitive is bound again on the leaves, so the parent
+sees one unit.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import _dispatch
+from .. import _bodies, _dispatch
 from .._base import ImplicitBase
 from .._compat import (
     UNSPECIFIED,
@@ -30,20 +30,9 @@ from .._compat import (
     typeof,
     weakly_typed,
 )
-from .._eager import compile_jaxpr, forwarding
 from .._interpreter import ImplicitTrace
-from .._report import replay
 from . import _staging
-from ._staging import (
-    TracedBody,
-    _cached,
-    _hoisted,
-    _leaf_shardings,
-    _per_leaf,
-    _same_for_all,
-    _signature,
-    _store,
-)
+from ._staging import _hoisted, _leaf_shardings, _per_leaf, _same_for_all
 
 # ----------------------------------------------------------------------------------------
 # jit
@@ -54,10 +43,10 @@ def _jit_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list
 
     The body runs on the implicit values (so their handlers apply) and is staged over
     their leaves; the result is bound as a `jit` again, so the parent sees one cached
-    unit (its differentiation, batching and compilation are cached by JAX too). `jnp`
-    wrappers (``inline=True``) stay inline; called eagerly, they are compiled and
-    dispatched through `jax.jit`'s fast path. Scalars with known values given to a
-    `jnp` wrapper are baked into the body, where a traced program sees them as literals.
+    unit (its differentiation, batching and compilation are cached by JAX too; eagerly,
+    the trace runs it as it runs any plain `jit`). Scalars with known values given to a
+    `jnp` wrapper (``inline=True``) are baked into the body, where a traced program sees
+    them as literals.
     """
     closed = params["jaxpr"]
     inline = is_inline_jit(params)
@@ -70,10 +59,9 @@ def _jit_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list
     dynamic = [v for i, v in enumerate(vals) if i not in baked]
     # Bytes, not values: 0.0 and -0.0 are equal but fold differently.
     scalars = tuple((i, np.asarray(v).tobytes(), typeof(v)) for i, v in baked.items())
-    key, flat_dynamic = _signature(dynamic, "jit", scalars)
-    entry = _cached(closed, key)
-    fresh = entry is None
-    if fresh:
+    key, flat_dynamic = _bodies.signature(dynamic, "jit", scalars)
+    traced = _bodies.reuse(closed, key)
+    if traced is None:
 
         def body(wrapped):
             it = iter(wrapped)
@@ -84,16 +72,7 @@ def _jit_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list
         traced, _ = _staging.trace_body(
             trace, body, dynamic, params["name"], declared=declared
         )
-        entry = _JitEntry(traced)
-        _store(closed, key, entry, [traced])
-    else:
-        replay(entry.traced.events)
-    traced = entry.traced
-    if inline and trace.eager and not fresh:
-        # Compiled on the second call of a signature: some `jnp` functions (`einsum`)
-        # stage a new jaxpr per call, for which JAX's own path is cheaper.
-        outs = entry.call(flat_dynamic)
-        return jax.tree_util.tree_unflatten(traced.out_tree, outs)
+        _bodies.keep(closed, key, traced, traced.events, traced.cacheable)
 
     out_vals = traced.out_skeleton()
     if baked:  # drop the baked operands' entries from the per-operand parameters
@@ -115,42 +94,14 @@ def _jit_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list
         out_shardings=_per_leaf(out_vals, params["out_shardings"], sharding),
         out_layouts=_per_leaf(out_vals, params["out_layouts"], _const(None)),
     )
-    outs = bind_with_trace(trace.parent_trace, primitive, flat_dynamic, new_params)
+    flat_dynamic = [
+        x if isinstance(x, Tracer) else canonicalize_value(x) for x in flat_dynamic
+    ]
+    outs = trace.bind_plain(primitive, flat_dynamic, new_params)
     return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 
 
 _dispatch.primitive_rules[primitives_module.jit_p] = _jit_rule
-
-
-class _JitEntry:
-    """A cached re-traced jit body, and (for eager calls) its compiled form."""
-
-    def __init__(self, traced: TracedBody):
-        self.traced = traced
-        self._compiled = None
-
-    def call(self, leaves: list) -> list:
-        """Run the body eagerly on the flat `leaves`."""
-        if self._compiled is None:
-            closed = self.traced.jaxpr
-            run = forwarding(closed) or compile_jaxpr(closed)
-            weak = [a.weak_type for a in closed.in_avals]
-            if any(weak):  # the body was traced with weaker inputs than given
-
-                def run(*leaves, _body=run):
-                    return _body(*map(_weaken, leaves, weak))
-
-            self._compiled = run
-        return self._compiled(*leaves)
-
-
-def _weaken(x: Any, weak: bool) -> Any:
-    """`x`, weakly typed if `weak` (as a body traced for a weak input sees it)."""
-    aval = typeof(x)
-    if not weak or aval.weak_type:
-        return x
-    with eval_context():  # (eagerly called: inside a `bind`, JAX > 0.10 has no trace)
-        return weakly_typed(x)
 
 
 def _scalar_literals(vals: Sequence) -> dict[int, Any]:
@@ -188,8 +139,8 @@ def _const(default: Any) -> Callable:
 
 def _remat_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> list:
     jaxpr = params["jaxpr"]  # an open Jaxpr without constvars
-    key, flat_vals = _signature(vals)
-    traced = _cached(jaxpr, key)
+    key, flat_vals = _bodies.signature(vals)
+    traced = _bodies.reuse(jaxpr, key)
     if traced is None:
 
         def body(wrapped):
@@ -199,9 +150,7 @@ def _remat_rule(trace: ImplicitTrace, primitive, vals: list, params: dict) -> li
         traced, _ = _staging.trace_body(
             trace, body, vals, "checkpoint", declared=declared
         )
-        _store(jaxpr, key, traced, [traced])
-    else:
-        replay(traced.events)
+        _bodies.keep(jaxpr, key, traced, traced.events, traced.cacheable)
     body_jaxpr, hoisted = _hoisted(traced)
     prevent_cse = params["prevent_cse"]
     if isinstance(prevent_cse, tuple):

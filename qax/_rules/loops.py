@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from .. import _dispatch, _errors
+from .. import _bodies, _dispatch, _errors
 from .._base import ImplicitBase
 from .._batching import (
     slice_template,
@@ -35,19 +35,15 @@ from .._compat import (
 from .._entry import densify
 from .._fields import stackable
 from .._interpreter import ImplicitTrace
-from .._report import holding_reports, replay
 from .._structure import common_structure_paths, describe, materialize_at, value_at
 from . import _staging
 from ._staging import (
     TracedBody,
-    _cached,
     _densify_parent,
     _hoisted,
     _jaxpr_body,
     _leaves,
     _path_name,
-    _signature,
-    _store,
 )
 
 _MAX_ATTEMPTS = 64
@@ -173,8 +169,7 @@ def _plan_loop(
     plan = _LoopPlan()
     first_events = None
     for attempt in range(_MAX_ATTEMPTS):
-        held: list = []
-        with holding_reports(held) if attempt else contextlib.nullcontext():
+        with _bodies.speculative() if attempt else contextlib.nullcontext() as held:
             carry = _prepare_carry(trace, init, plan, loop)
             in_vals = [*consts, *carry, *xs]
             flat_in = _leaves(in_vals)
@@ -203,7 +198,8 @@ def _plan_loop(
         )
     else:  # pragma: no cover (every attempt materializes more, so this terminates)
         raise RuntimeError(f"Found no stable carry structure for `{loop}`.")
-    replay([e for e in held if e not in first_events])
+    if attempt:
+        _bodies.commit(held, list(first_events))
     plan.traced = traced
     return plan, carry
 
@@ -218,14 +214,14 @@ def _loop(
     trace, anchor, extra_key, body, consts, init, xs, slice_xs, loop, fix_ys=None
 ):
     """`_plan_loop`, cached: a cached plan is applied to the initial carry again."""
-    key, _ = _signature([*consts, *init, *xs], len(consts), len(init), *extra_key)
-    plan = _cached(anchor, key)
+    key, _ = _bodies.signature(
+        [*consts, *init, *xs], len(consts), len(init), *extra_key
+    )
+    plan = _bodies.reuse(anchor, key)
     if plan is not None:
-        carry = _prepare_carry(trace, init, plan, loop)
-        replay(plan.traced.events)
-        return plan, carry
+        return plan, _prepare_carry(trace, init, plan, loop)
     plan, carry = _plan_loop(trace, body, consts, init, xs, slice_xs, loop, fix_ys)
-    _store(anchor, key, plan, [plan.traced])
+    _bodies.keep(anchor, key, plan, plan.traced.events, plan.traced.cacheable)
     return plan, carry
 
 
