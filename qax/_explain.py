@@ -168,7 +168,10 @@ def explain(primitive: str | Primitive, *operand_types: Any) -> Explanation:
     marks the one that is chosen, and says why each other one lost (less specific, lower
     precedence, tied, or which operand it does not accept). It then lists what happens
     if no handler applies: a structural rule, the class's `default_handler`, or
-    materialization, with the materialization policy that applies now.
+    materialization, with the materialization policy that applies now; and which steps
+    of the interpreter's route (`qax._route.ROUTE`) act on such operands and which one
+    decides (`Explanation.route`, `decides`, `then`). Pass an example value rather than
+    a class for a stack of examples (it skips the handlers).
 
     Examples:
         >>> print(qax.explain("dot_general", jax.Array, LoraMatrix))
