@@ -58,15 +58,19 @@ class _Entry:
 _staged: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def state() -> tuple:
-    """What every key holds: the handler generation and quiet mode."""
-    return _dispatch.generation[0], quiet_materialization.get()
+_generation = _dispatch.generation
 
 
 def signature(vals: Sequence, *extra: Any) -> tuple[tuple, list]:
     """The key of a body over `vals` (with `extra`), and their flat leaves."""
     flat, tree = jax.tree_util.tree_flatten(list(vals))
-    return (*extra, tree, tuple(map(_leaf_type, flat)), *state()), flat
+    key = (*extra, tree, tuple(map(_leaf_type, flat)))
+    return (*key, _generation[0], quiet_materialization.get()), flat
+
+
+def eager_key(head: Any, signatures: list) -> tuple:
+    """The key of an eager operation `head` on operands of `signatures`."""
+    return (head, _generation[0], quiet_materialization.get(), *signatures)
 
 
 def _leaf_type(x: Any) -> Any:
@@ -167,8 +171,9 @@ def sight(key: Any, anchor: Any = None) -> tuple[Sighting | None, bool]:
         sighting = _sightings.get(key)
     except TypeError:  # unhashable parameters
         return None, False
-    if sighting is not None and (anchor is None or sighting.anchor() is anchor):
-        return sighting, False
+    if sighting is not None:
+        if anchor is None or sighting.anchor() is anchor:
+            return sighting, False
     if len(_sightings) >= LIMIT:
         _sightings.clear()
     ref = None if anchor is None else weakref.ref(anchor, _forget(key))

@@ -177,8 +177,7 @@ def run_lane(
     With `parent`, the lane runs with the parent trace current (`jax.jit`'s C++ path
     needs it for an operator).
     """
-    key = (head, *_bodies.state(), *[o[0] for o in operands])
-    sighting, first = _bodies.sight(key)
+    sighting, first = _bodies.sight(_bodies.eager_key(head, [o[0] for o in operands]))
     if sighting is None:
         return ordinary()
     if first:
@@ -498,7 +497,7 @@ def eager_jit(params: dict) -> Callable | None:
             sighting.body = compile_jaxpr(closed, params["keep_unused"])
         else:
             sighting.refused = True
-    return _bodies.ready(sighting)
+    return sighting.body  # (no reports to make again: its operands are plain)
 
 
 def clear_caches() -> None:
