@@ -14,7 +14,9 @@ product times ``m / ‖V‖`` on its ``B`` axes, and the squared norm is
 
 with ``‖w‖²`` computed once (``w`` is frozen: the field ``w_norm2``) and ``aᵀw`` a
 product of the thin factor with the base, through the base's own product handler (an
-NF4 or int8 base costs what a QLoRA product costs).
+NF4 or int8 base costs what a QLoRA product costs). The magnitude's gradient needs the
+unscaled product ``x·V``, which a LoRA step never keeps: products are under
+`jax.checkpoint` and recompute it in the backward pass (see `_recomputed`).
 
 This module uses qax's public API only.
 """
@@ -114,11 +116,7 @@ class DoraWeight(qax.ImplicitArray):
 
     def scale(self) -> jax.Array:
         """``m / ‖V‖`` per output unit (the norm a constant for gradients)."""
-        lora = self.lora()
-        nb = _batch_ndim(jnp.ndim(self.w), jnp.ndim(self.a), jnp.ndim(self.b))
-        norm2 = _norm2_of(lora, self.w_norm2, nb)
-        norm = jnp.sqrt(lax.stop_gradient(norm2))
-        return (self.m / norm).astype(self.dtype)
+        return _scale(self.lora(), self.m, self.w_norm2).astype(self.dtype)
 
     def materialize(self) -> jax.Array:
         v = self.lora().materialize().astype(self.dtype)
@@ -196,6 +194,13 @@ def _norm2_of(lora: LoraWeight, w_norm2: Any, nb: int) -> jax.Array:
     return qax.use_implicit_args(norm2)(lora.w, lora.a, lora.b, w_norm2)
 
 
+def _scale(lora: LoraWeight, m: Any, w_norm2: Any) -> jax.Array:
+    """``m / ‖V‖`` for the LoRA weight ``V`` (the norm a constant for gradients)."""
+    nb = _batch_ndim(jnp.ndim(lora.w), jnp.ndim(lora.a), jnp.ndim(lora.b))
+    norm2 = _norm2_of(lora, w_norm2, nb)
+    return m / jnp.sqrt(lax.stop_gradient(norm2))
+
+
 def _on_output_axes(d: DoraWeight, scale: jax.Array, ndim: int) -> jax.Array:
     """`scale` (shape ``B``) broadcast against one weight's axes."""
     nb = ndim - d.w_ndim
@@ -250,6 +255,46 @@ def _unbatched(d: DoraWeight) -> bool:
     return jnp.ndim(d.w) == d.w_ndim
 
 
+def _recomputed(f: Any, x: Any, d: DoraWeight) -> Any:
+    """``f(x, lora, m, w_norm2)``, a product with ``lora`` (``d``'s `LoraWeight`)
+    scaled by ``m / ‖V‖`` on its output units, under `jax.checkpoint`: the backward
+    pass keeps these inputs and a decoded base (`_keeps_base`) and recomputes the rest.
+    The magnitude's gradient needs the unscaled product (``dm = Σ g ⊙ x·V / ‖V‖``), one
+    output-sized value per product that a LoRA step never keeps; recomputing it costs
+    one more product with the base in the backward pass, and a DoRA step holds what a
+    LoRA step holds (with JAX 0.12's XLA; JAX 0.10's merges the recomputation with the
+    forward product, so the value is kept there). The base is stopped here, once, not
+    again inside (``freeze_w=False``)."""
+    w = jax.tree_util.tree_map(lax.stop_gradient, d.w)
+    lora = LoraWeight(w, d.a, d.b, alpha=d.alpha, freeze_w=False, a_axes=d.a_axes)
+    policy = _keeps_base(_shape(d.w), {jnp.dtype(d.w.dtype), jnp.dtype(d.dtype)})
+    return jax.checkpoint(f, policy=policy)(x, lora, d.m, d.w_norm2)
+
+
+def _kept(dtype: Any, dtypes: set) -> bool:
+    # Integer codes pass as they are; a float8 value is never kept (JAX marks a kept
+    # float with a `reduce_precision` to its own format, which takes float8 e4m3fn's
+    # largest numbers to infinity).
+    return jnp.issubdtype(dtype, jnp.integer) or jnp.dtype(dtype) in dtypes
+
+
+def _keeps_base(shape: tuple[int, ...], dtypes: set) -> Any:
+    """A `jax.checkpoint` policy that keeps the values of the base's shape (a quantized
+    base decoded, a base cast to the product's dtype, integer codes: what a LoRA step
+    keeps for its backward product, made once, not again in the backward pass) and
+    recomputes everything else."""
+
+    def policy(primitive, *avals, **params):
+        try:
+            out = jax.eval_shape(lambda *v: primitive.bind(*v, **params), *avals)
+        except Exception:  # noqa: BLE001 (a primitive not bound this way: recomputed)
+            return False
+        outs = out if isinstance(out, (list, tuple)) else (out,)
+        return any(_shape(o) == shape and _kept(o.dtype, dtypes) for o in outs)
+
+    return policy
+
+
 def _dot(primitive, x, d: DoraWeight, dimension_numbers, weight_is_rhs, params):
     if weight_is_rhs:
         (x_c, w_c), (x_b, w_b) = dimension_numbers
@@ -261,22 +306,30 @@ def _dot(primitive, x, d: DoraWeight, dimension_numbers, weight_is_rhs, params):
         return NotImplemented
     a_axes, b_axes = _layout(d.w_ndim, d.a_ndim - 1, d.a_axes)
     if weight_is_rhs and not x_b and sorted(w_c) == sorted(a_axes):
-        return _dot_fused(primitive, x, d, (x_c, w_c), params)
-    scale = d.scale()
-    lora = d.lora()
-    operands = (x, lora) if weight_is_rhs else (lora, x)
+        fused = lambda *args: _dot_fused(primitive, d, (x_c, w_c), params, *args)  # noqa: E731
+        return _recomputed(fused, x, d)
     if sorted(w_c) == sorted(a_axes):
         # The inputs contract the input axes: the output units are free; scale them.
-        out = _bind(primitive, *operands, dimension_numbers=dimension_numbers, **params)
-        n_x_free = x.ndim - len(x_c) - len(x_b)
-        w_free_start = len(x_b) + (n_x_free if weight_is_rhs else 0)
-        shape = [1] * out.ndim
-        free = [i for i in range(d.w_ndim) if i not in w_c]
-        for pos, axis in enumerate(free):
-            shape[w_free_start + pos] = jnp.shape(scale)[b_axes.index(axis)]
-        return out * jnp.reshape(scale, shape).astype(out.dtype)
+        def scaled(x, lora, m, w_norm2):
+            scale = _scale(lora, m, w_norm2)
+            operands = (x, lora) if weight_is_rhs else (lora, x)
+            out = _bind(
+                primitive, *operands, dimension_numbers=dimension_numbers, **params
+            )
+            n_x_free = x.ndim - len(x_c) - len(x_b)
+            w_free_start = len(x_b) + (n_x_free if weight_is_rhs else 0)
+            shape = [1] * out.ndim
+            free = [i for i in range(d.w_ndim) if i not in w_c]
+            for pos, axis in enumerate(free):
+                shape[w_free_start + pos] = jnp.shape(scale)[b_axes.index(axis)]
+            return out * jnp.reshape(scale, shape).astype(out.dtype)
+
+        return _recomputed(scaled, x, d)
+    scale = d.scale()
+    lora = d.lora()
     if sorted(w_c) == sorted(b_axes):
-        # The inputs contract the output units (``x @ W.T``): scale the inputs.
+        # The inputs contract the output units (``x @ W.T``): scale the inputs (the
+        # backward pass keeps ``x``, as LoRA's does: nothing to recompute).
         shape = [1] * x.ndim
         for xi, wi in zip(x_c, w_c, strict=True):
             shape[xi] = jnp.shape(scale)[b_axes.index(wi)]
@@ -288,21 +341,22 @@ def _dot(primitive, x, d: DoraWeight, dimension_numbers, weight_is_rhs, params):
     return NotImplemented
 
 
-def _dot_fused(primitive, x, d: DoraWeight, contract, params):
+def _dot_fused(primitive, d: DoraWeight, contract, params, x, lora, m, w_norm2):
     """``x @ W`` contracting the input axes, with the base taken once: the inputs and
     ``aᵀ`` (``rank`` more rows) go through one product with ``w`` (one decode of a
-    quantized base), giving ``x·w`` and the norm's cross term ``aᵀw`` together."""
+    quantized base), giving ``x·w`` and the norm's cross term ``aᵀw`` together. ``d``
+    gives the layout only; the values are ``lora`` (its base stopped), ``m`` and
+    ``w_norm2`` (see `_recomputed`)."""
     x_c, w_c = contract
     a_axes, b_axes = _layout(d.w_ndim, d.a_ndim - 1, d.a_axes)
-    lora = d.lora()
-    dtype = jnp.result_type(x.dtype, d.dtype)
+    dtype = jnp.result_type(x.dtype, lora.dtype, m.dtype)
     free_x = [i for i in range(x.ndim) if i not in x_c]
     lead = tuple(x.shape[i] for i in free_x)
     tokens = math.prod(lead)
     x2 = jnp.reshape(
         lax.transpose(x, (*free_x, *x_c)), (tokens, *(x.shape[c] for c in x_c))
     )
-    at = lax.transpose(d.a, (d.a.ndim - 1, *(a_axes.index(c) for c in w_c)))
+    at = lax.transpose(lora.a, (lora.a.ndim - 1, *(a_axes.index(c) for c in w_c)))
     z = jnp.concatenate([x2.astype(dtype), at.astype(dtype)], axis=0)
     contract_z = tuple(range(1, 1 + len(w_c)))
     zw = _bind(
@@ -310,10 +364,10 @@ def _dot_fused(primitive, x, d: DoraWeight, contract, params):
         **params,
     )  # fmt: skip
     free_w = [i for i in range(d.w_ndim) if i not in w_c]  # = b_axes, in order
-    main = jnp.reshape(zw[:tokens], (*lead, *(d.w.shape[i] for i in free_w)))
+    main = jnp.reshape(zw[:tokens], (*lead, *(lora.w.shape[i] for i in free_w)))
     cross = lax.stop_gradient(zw[tokens:])  # aᵀw: (rank, *B)
-    norm2 = _norm2_from_cross(d.w_norm2, d.a, d.b, lora.scale, cross, 0)
-    scale = (d.m / jnp.sqrt(lax.stop_gradient(norm2))).astype(main.dtype)
+    norm2 = _norm2_from_cross(w_norm2, lora.a, lora.b, lora.scale, cross, 0)
+    scale = (m / jnp.sqrt(lax.stop_gradient(norm2))).astype(main.dtype)
     delta = _lora_product(x, lora, ((x_c, w_c), ((), ())), True, params)
     out = main + delta.astype(main.dtype)
     return out * scale  # B is last, in w's order: `scale`'s own order
@@ -382,10 +436,14 @@ def _conv_x_dora(primitive, x: jax.Array, w: DoraWeight, **params) -> Any:
     rhs_spec, out_spec = params["dimension_numbers"][1], params["dimension_numbers"][2]
     if not _unbatched(w) or b_axes != (rhs_spec[0],):
         return NotImplemented
-    out = _bind(primitive, x, w.lora(), **params)
-    shape = [1] * out.ndim
-    shape[out_spec[1]] = -1
-    return out * jnp.reshape(w.scale(), shape).astype(out.dtype)
+
+    def scaled(x, lora, m, w_norm2):
+        out = _bind(primitive, x, lora, **params)
+        shape = [1] * out.ndim
+        shape[out_spec[1]] = -1
+        return out * jnp.reshape(_scale(lora, m, w_norm2), shape).astype(out.dtype)
+
+    return _recomputed(scaled, x, w)
 
 
 @qax.primitive_handler("gather")
@@ -398,12 +456,16 @@ def _gather_dora(primitive, w: DoraWeight, indices: jax.Array, **params) -> Any:
         return NotImplemented
     if b_axes != tuple(range(w.w_ndim - n_b, w.w_ndim)):
         return NotImplemented
-    rows = _bind(primitive, w.lora(), indices, **params)
-    if tuple(params["dimension_numbers"].offset_dims[-n_b:]) != tuple(
-        range(rows.ndim - n_b, rows.ndim)
-    ):
+    offset_dims = tuple(params["dimension_numbers"].offset_dims)
+    out_ndim = len(offset_dims) + jnp.ndim(indices) - 1  # the index vector is last
+    if offset_dims[-n_b:] != tuple(range(out_ndim - n_b, out_ndim)):
         return NotImplemented
-    return rows * w.scale().astype(rows.dtype)
+
+    def scaled(indices, lora, m, w_norm2):
+        rows = _bind(primitive, lora, indices, **params)
+        return rows * _scale(lora, m, w_norm2).astype(rows.dtype)
+
+    return _recomputed(scaled, indices, w)
 
 
 # ----------------------------------------------------------------------------------------
