@@ -15,8 +15,8 @@ alive (JAX's own closures make cycles, e.g. every `custom_jvp` call such as
 `jax.nn.gelu` in a staged program), JAX runs a full `gc.collect()` before it looks for
 tracers, and a full collection walks every object of the process: tenths of a second
 each in a worker that has compiled a thousand programs. So every test starts with the
-objects that exist before it frozen (`gc.freeze()`: moved out of the collector's sight,
-never freed while frozen) and each module ends by unfreezing and collecting them. A
+objects that are alive before it frozen (`gc.freeze()`: moved out of the collector's
+sight, never freed while frozen) and each module ends by unfreezing and collecting them. A
 cycle made during a test is still collected, and a trace reachable from anything,
 frozen or not, is still found: only the price of each check changes.
 
@@ -87,6 +87,10 @@ def _leak_checking(request):
 
 @pytest.fixture(autouse=True)
 def _older_objects_frozen(_leak_checking):
-    """Older objects out of the collector's sight for this test (see the module doc)."""
+    """Older objects out of the collector's sight for this test (see the module doc).
+
+    The collection first frees the cycles the previous test left (it walks only the
+    objects made since the last freeze), so what is frozen is what is still alive."""
+    gc.collect()
     gc.freeze()
     yield
