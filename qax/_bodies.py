@@ -46,6 +46,8 @@ LIMIT = 4096
 
 
 class _Entry:
+    """A kept body, the reports it made while staged, the JAX configuration then."""
+
     __slots__ = ("body", "events", "context")
 
     def __init__(self, body: Any, events: list, context: tuple):
@@ -56,8 +58,7 @@ class _Entry:
 
 # anchor (a jaxpr) -> {key: `_Entry`}.
 _staged: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
+# The handler generation, bumped by every registration (read on every key).
 _generation = _dispatch.generation
 
 

@@ -13,6 +13,9 @@ of the eval trace:
   seen again with the same signature runs a compiled copy of what it did, traced once
   (a "lane", `run_lane`); its results go on to the next lane as leaves (`LaneTracer`).
 
+Both are kept by `qax._bodies`, which decides when they are compiled (on their second
+sighting) and makes a lane's materialization reports again on every run.
+
 One thread shares one eager trace across calls (`eager_trace`): JAX keys its caches of
 `jit` traces on the current trace. Setting the environment variable
 ``QAX_EAGER_FAST_PATHS=0`` turns all of this off (plain `ImplicitTrace`s, as under a
