@@ -285,8 +285,6 @@ del _name
 class EagerTrace(ImplicitTrace):
     """The `ImplicitTrace` of a `use_implicit_args` call outside any transformation."""
 
-    eager = True
-
     def wrap(self, x: Any) -> Any:
         return EagerTracer(self, x) if isinstance(x, ImplicitBase) else x
 

@@ -100,9 +100,6 @@ class ImplicitTracer(Tracer):
 class ImplicitTrace(Trace):
     """Interprets primitives on implicit arrays; see the module docstring."""
 
-    # Whether this trace runs outside any transformation (`qax._eager.EagerTrace`).
-    eager = False
-
     def __init__(self, parent_trace: Trace, tag: TraceTag):
         super().__init__()
         self.parent_trace = parent_trace
