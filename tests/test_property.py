@@ -2,7 +2,7 @@
 
 Hypothesis draws an implicit input (declared or undeclared batching, with or without
 handlers, nested, symbolic), a short program of array operations with transformations
-wrapped around parts of it (jit, vmap, grad, scan, cond, fori_loop, while_loop,
+wrapped around parts of it (jit, vmap, grad, jvp, scan, cond, fori_loop, while_loop,
 checkpoint, custom_jvp; loop carries may change their implicit structure) and an outer
 transformation (none, jit, gradients, `vmap` or `lax.scan` outside `use_implicit_args`
 over a stack of inputs built by `vmap`); `qax.use_implicit_args(f)(x)` must equal `f` on the
@@ -363,17 +363,21 @@ TRANSFORMS = {
     "vmap": lambda g, h, y: jax.vmap(g)(h),
     "grad": lambda g, h, y: jax.grad(lambda h: jnp.sum(jnp.tanh(g(h))))(h),
     "custom_jvp": lambda g, h, y: _soft(g(h)),
+    # The tangent: as weak as the primal `h`, whatever the (strong) tangent given.
+    "jvp": lambda g, h, y: jax.jvp(g, (h,), (jnp.full(jnp.shape(h), 0.5, h.dtype),))[1],
 }
 
 
 _PLAIN_OPS = tuple(sorted(OPS))
+_TRANSFORMS = tuple(sorted(TRANSFORMS))
 
 
-def blocks(depth: int, ops=_PLAIN_OPS):
+def blocks(depth: int, ops=_PLAIN_OPS, transforms=_TRANSFORMS):
     op = st.sampled_from(ops)
     if depth == 0:
         return st.lists(op, min_size=1, max_size=3)
-    wrapped = st.tuples(st.sampled_from(sorted(TRANSFORMS)), blocks(depth - 1, ops))
+    inner = blocks(depth - 1, ops, transforms)
+    wrapped = st.tuples(st.sampled_from(transforms), inner)
     return st.lists(st.one_of(op, wrapped), min_size=1, max_size=4)
 
 
@@ -420,14 +424,14 @@ def dense_or_reject(fn, *args):
 OUTER = ["none", "jit", "grad_y", "grad_leaves", "vmap_outside", "scan_outside"]
 
 
-def _programs(ops):
+def _programs(ops, transforms=_TRANSFORMS):
     """The hypothesis settings and draws of a test of random programs over `ops`."""
 
     def decorate(test):
         given = hypothesis.given(
             kind=st.sampled_from(KINDS),
             seed=st.integers(0, 2**16),
-            program=blocks(2, ops),
+            program=blocks(2, ops, transforms),
             outer=st.sampled_from(OUTER),
         )
         return hypothesis.settings(
@@ -535,7 +539,13 @@ def check_program(kind, seed, program, outer):
 _WITH_BUILDS = tuple(sorted(OPS)) + tuple(sorted(BUILD_OPS)) * 2
 
 
-@_programs(_WITH_BUILDS)
+# Without `jvp`: the tangent of a value built inside `jax.jvp` (``PropScaled(h, 1.5)``)
+# is computed from its leaves with the constant leaf's zero tangent instantiated, so it
+# depends on the primal with a coefficient of 0 (the dense tangent does not), and JAX
+# then refuses reverse-mode differentiation through a `while_loop` that carries it
+# (`grad` of ``jvp(build_scaled) -> while``). A known limitation (issue 40, item 9's
+# report), not a weak type.
+@_programs(_WITH_BUILDS, tuple(t for t in _TRANSFORMS if t != "jvp"))
 def test_random_programs_building_implicit_values_inside(kind, seed, program, outer):
     check_program(kind, seed, program, outer)
 
