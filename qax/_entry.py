@@ -26,11 +26,11 @@ from ._base import (
 )
 from ._compat import (
     Trace,
+    Zero,
     api_boundary,
     current_trace,
     ensure_no_leaks,
     hide_frames_of,
-    instantiate_zeros,
     is_eval_trace,
     is_stack_before_transformation,
     primitive_batchers,
@@ -282,9 +282,22 @@ def _implicit_impl(*leaves, tree, aval):
 def _implicit_jvp(primals, tangents, *, tree, aval):
     out = implicit_p.bind(*primals, tree=tree, aval=aval)
     _report_unboxed(tree, primals, _errors.CREATED_UNDER_GRAD)
-    tangents = tuple(instantiate_zeros(t) for t in tangents)
-    dense = functools.partial(_unboxed_dense, tree)
-    return out, jax.jvp(dense, tuple(primals), tangents)[1]
+    # Leaves without a tangent (symbolic zeros) are constants of the derivative: a zero
+    # tangent instantiated for them would leave a `leaf * 0` term in the tangent, which
+    # depends on the primal where the dense program's does not (reverse mode through a
+    # `while_loop` carrying that tangent then fails).
+    moving = [type(t) is not Zero for t in tangents]
+
+    def dense(*moved):
+        it = iter(moved)
+        leaves = [next(it) if m else p for p, m in zip(primals, moving, strict=True)]
+        return _unboxed_dense(tree, *leaves)
+
+    return out, jax.jvp(
+        dense,
+        tuple(p for p, m in zip(primals, moving, strict=True) if m),
+        tuple(t for t, m in zip(tangents, moving, strict=True) if m),
+    )[1]
 
 
 def _implicit_batch(args, dims, *, tree, aval):

@@ -539,15 +539,20 @@ def check_program(kind, seed, program, outer):
 _WITH_BUILDS = tuple(sorted(OPS)) + tuple(sorted(BUILD_OPS)) * 2
 
 
-# Without `jvp`: the tangent of a value built inside `jax.jvp` (``PropScaled(h, 1.5)``)
-# is computed from its leaves with the constant leaf's zero tangent instantiated, so it
-# depends on the primal with a coefficient of 0 (the dense tangent does not), and JAX
-# then refuses reverse-mode differentiation through a `while_loop` that carries it
-# (`grad` of ``jvp(build_scaled) -> while``). A known limitation (issue 40, item 9's
-# report), not a weak type.
-@_programs(_WITH_BUILDS, tuple(t for t in _TRANSFORMS if t != "jvp"))
+@_programs(_WITH_BUILDS)
 def test_random_programs_building_implicit_values_inside(kind, seed, program, outer):
     check_program(kind, seed, program, outer)
+
+
+def test_grad_through_a_loop_carrying_the_tangent_of_a_value_built_inside_jvp():
+    """The tangent of ``PropScaled(h + y, 1.5)`` built inside `jax.jvp` takes no term
+    from the constant leaf (its tangent is a symbolic zero), so, as densely, it does not
+    depend on the primal and `grad` can go through a `while_loop` that carries it (it
+    was ``(h + y) * 0`` and JAX refused reverse mode through the loop)."""
+    program = [
+        ("checkpoint", [("jvp", ["add_y", "build_scaled"]), ("while", ["add_one"])])
+    ]
+    check_program("lora", 0, program, "grad_y")
 
 
 @hypothesis.settings(
