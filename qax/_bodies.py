@@ -87,11 +87,19 @@ def reuse(anchor: Any, key: tuple) -> Any:
     if entries is None:
         return None
     entry = entries.get(key)
-    if entry is None or entry.context != jit_context():
+    if entry is None:
         return None
-    if entry.events:
-        replay(entry.events)
-    return entry.body
+    return _current(entry.body, entry.events, entry.context)
+
+
+def _current(body: Any, events: list, context: tuple | None) -> Any:
+    """`body`, its reports made again, if it was staged under the JAX configuration
+    now (`context`; None: any); else None."""
+    if context is not None and context != jit_context():
+        return None
+    if events:
+        replay(events)
+    return body
 
 
 def keep(
@@ -195,15 +203,9 @@ def _forget(key: Any, sightings: dict = _sightings):
 def ready(sighting: Sighting) -> Any:
     """The compiled body of `sighting` to run now, its reports made again; None if it
     takes the ordinary path (refused, or staged under another JAX configuration)."""
-    body = sighting.body
-    if body is None:
+    if sighting.body is None:
         return None
-    context = sighting.context
-    if context is not None and context != jit_context():
-        return None
-    if sighting.events:
-        replay(sighting.events)
-    return body
+    return _current(sighting.body, sighting.events, sighting.context)
 
 
 def sightings() -> dict[Any, Sighting]:

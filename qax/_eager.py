@@ -304,19 +304,10 @@ class EagerTrace(ImplicitTrace):
 
     def _lane_primitive(self, primitive, tracers, params):
         """`primitive` on `tracers` through the lane of its signature, if any."""
-
-        def ordinary():
-            out = ImplicitTrace.process_primitive(self, primitive, tracers, params)
-            return out if primitive.multiple_results else [out]
-
         vals, operands = [], []
         for t in tracers:
             if isinstance(t, ImplicitTracer):
-                if t.owner.tag is not self.tag:
-                    return ImplicitTrace.process_primitive(
-                        self, primitive, tracers, params
-                    )
-                found = _tracer_operand(t)
+                found = _tracer_operand(t) if t.owner.tag is self.tag else None
             else:
                 found = operand(t)
             if found is None:
@@ -324,6 +315,10 @@ class EagerTrace(ImplicitTrace):
             vals.append(t)
             operands.append(found)
         head = (primitive, tuple(params.items()))  # (unhashable: `run_lane` refuses)
+
+        def ordinary():
+            out = ImplicitTrace.process_primitive(self, primitive, tracers, params)
+            return out if primitive.multiple_results else [out]
 
         def run(sub, vals):
             out = apply_primitive(sub, primitive, vals, params)
